@@ -1,0 +1,77 @@
+# The README's two commands:
+#   make synth   install the deploy-only toolchain, synthesize the platform offline
+#   make test    install everything the tests need, run every test
+# Both are idempotent: each install step re-runs only when its pinned inputs change.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := synth
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CONFIG ?= config/example.yaml
+OUT ?= cdk.out
+
+# Offline and quiet: no telemetry, no instance-metadata credential probing, the pinned
+# Node from node_modules for both the CDK CLI and jsii.
+export PATH := $(CURDIR)/node_modules/.bin:$(CURDIR)/$(VENV)/bin:$(PATH)
+export CDK_DISABLE_CLI_TELEMETRY := true
+export AWS_EC2_METADATA_DISABLED := true
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+DEPLOY_STAMP := $(VENV)/.installed-deploy
+TEST_STAMP := $(VENV)/.installed-test
+NODE_STAMP := node_modules/.installed
+DEB_PACKAGES := etcd-server
+
+.PHONY: synth test setup-deploy setup-test system-packages benchmark lock clean
+
+synth: setup-deploy
+	rm -rf $(OUT)
+	cdk synth --quiet --output $(OUT) -c config=$(CONFIG)
+	@echo "CloudFormation templates: $$(ls $(OUT)/*.template.json | tr '\n' ' ')"
+
+test: setup-test
+	$(PY) -m pytest
+
+benchmark: setup-test
+	$(PY) benchmarks/synth_time.py
+
+setup-deploy: $(DEPLOY_STAMP) $(NODE_STAMP)
+setup-test: $(TEST_STAMP) $(NODE_STAMP) system-packages
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip==26.3
+
+$(DEPLOY_STAMP): requirements.txt constraints.txt | $(VENV)/bin/python
+	$(PY) -m pip install --quiet -r requirements.txt -c constraints.txt
+	touch $@
+
+$(TEST_STAMP): $(DEPLOY_STAMP) requirements-dev.txt training/requirements.txt constraints.txt
+	$(PY) -m pip install --quiet -r requirements-dev.txt -c constraints.txt
+	touch $@
+
+$(NODE_STAMP): package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+# Debian packages for the tests (a real etcd for rendezvous tests). Installed only when missing.
+system-packages:
+	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+	  echo "installing Debian packages:$$missing"; \
+	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+# Re-lock every transitive Python dependency after editing a requirements file. torch is
+# left to training/requirements.txt: its wheel's local tag (+cpu, +cu12x) depends on the machine.
+lock: $(TEST_STAMP)
+	{ echo "# Full lock of the Python environment (pip freeze of requirements-dev.txt), applied with -c."; \
+	  echo "# Regenerate after changing a requirements file: make lock"; \
+	  $(PY) -m pip freeze --exclude-editable | grep -viE '^(torch)==' | sort -f; } > constraints.txt
+
+clean:
+	rm -rf $(OUT) dist .pytest_cache

@@ -1,0 +1,153 @@
+"""The instance catalog: the one source of truth for hardware facts.
+
+Launch templates (EFA interfaces), pod requests (accelerators, EFA devices), node
+labels/taints and torchrun's ``--nproc-per-node`` all read from here. Figures follow
+EC2's DescribeInstanceTypes data and the AWS Neuron documentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Accelerator(str, Enum):
+    NONE = "none"
+    NVIDIA = "nvidia"
+    NEURON = "neuron"
+
+
+# EKS managed node group AMI types (CloudFormation `AmiType` values).
+AMI_STANDARD = "AL2023_x86_64_STANDARD"
+AMI_NVIDIA = "AL2023_x86_64_NVIDIA"
+AMI_NEURON = "AL2023_x86_64_NEURON"
+
+NVIDIA_GPU_RESOURCE = "nvidia.com/gpu"
+NEURON_DEVICE_RESOURCE = "aws.amazon.com/neuron"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+
+_AMI_BY_ACCELERATOR = {
+    Accelerator.NONE: AMI_STANDARD,
+    Accelerator.NVIDIA: AMI_NVIDIA,
+    Accelerator.NEURON: AMI_NEURON,
+}
+_RESOURCE_BY_ACCELERATOR = {
+    Accelerator.NONE: None,
+    Accelerator.NVIDIA: NVIDIA_GPU_RESOURCE,
+    Accelerator.NEURON: NEURON_DEVICE_RESOURCE,
+}
+# The taint each accelerated node group carries; device plugins and jobs tolerate it.
+_TAINT_KEY_BY_ACCELERATOR = {
+    Accelerator.NONE: None,
+    Accelerator.NVIDIA: NVIDIA_GPU_RESOURCE,
+    Accelerator.NEURON: NEURON_DEVICE_RESOURCE,
+}
+
+
+@dataclass(frozen=True)
+class InstanceType:
+    """Hardware facts for one EC2 instance type."""
+
+    name: str
+    accelerator: Accelerator
+    accelerator_model: str | None
+    accelerator_count: int
+    accelerator_memory_gib: int
+    vcpus: int
+    memory_gib: int
+    efa_interfaces: int
+    nproc_per_node: int
+
+    @property
+    def family(self) -> str:
+        return self.name.split(".", 1)[0]
+
+    @property
+    def is_accelerated(self) -> bool:
+        return self.accelerator is not Accelerator.NONE
+
+    @property
+    def supports_efa(self) -> bool:
+        return self.efa_interfaces > 0
+
+    @property
+    def ami_type(self) -> str:
+        return _AMI_BY_ACCELERATOR[self.accelerator]
+
+    @property
+    def accelerator_resource(self) -> str | None:
+        """The Kubernetes extended resource a pod requests for this type's accelerators."""
+        return _RESOURCE_BY_ACCELERATOR[self.accelerator]
+
+    @property
+    def taint_key(self) -> str | None:
+        return _TAINT_KEY_BY_ACCELERATOR[self.accelerator]
+
+    @property
+    def efa_resource(self) -> str | None:
+        return EFA_RESOURCE if self.supports_efa else None
+
+
+def _gpu(name, model, count, mem_gib, vcpus, memory_gib, efa):
+    return InstanceType(name, Accelerator.NVIDIA, model, count, mem_gib, vcpus, memory_gib, efa, count)
+
+
+def _neuron(name, model, devices, mem_gib, vcpus, memory_gib, efa, cores_per_device):
+    # torchrun starts one process per (logical) NeuronCore.
+    return InstanceType(
+        name, Accelerator.NEURON, model, devices, mem_gib, vcpus, memory_gib, efa, devices * cores_per_device
+    )
+
+
+def _cpu(name, vcpus, memory_gib):
+    return InstanceType(name, Accelerator.NONE, None, 0, 0, vcpus, memory_gib, 0, 1)
+
+
+CATALOG: dict[str, InstanceType] = {
+    t.name: t
+    for t in (
+        _gpu("p3.8xlarge", "V100", 4, 16, 32, 244, efa=0),
+        _gpu("p3dn.24xlarge", "V100", 8, 32, 96, 768, efa=1),
+        _gpu("p4d.24xlarge", "A100", 8, 40, 96, 1152, efa=4),
+        _gpu("p4de.24xlarge", "A100", 8, 80, 96, 1152, efa=4),
+        _gpu("p5.48xlarge", "H100", 8, 80, 192, 2048, efa=32),
+        _gpu("p5e.48xlarge", "H200", 8, 141, 192, 2048, efa=32),
+        _gpu("p5en.48xlarge", "H200", 8, 141, 192, 2048, efa=16),
+        _gpu("g5.xlarge", "A10G", 1, 24, 4, 16, efa=0),
+        _gpu("g5.12xlarge", "A10G", 4, 24, 48, 192, efa=1),
+        _gpu("g5.48xlarge", "A10G", 8, 24, 192, 768, efa=1),
+        _gpu("g6e.48xlarge", "L40S", 8, 48, 192, 1536, efa=4),
+        # Trainium: 2 NeuronCore-v2 per device.
+        _neuron("trn1.2xlarge", "Trainium", 1, 32, 8, 32, efa=0, cores_per_device=2),
+        _neuron("trn1.32xlarge", "Trainium", 16, 32, 128, 512, efa=8, cores_per_device=2),
+        _neuron("trn1n.32xlarge", "Trainium", 16, 32, 128, 512, efa=16, cores_per_device=2),
+        # Trainium2: 8 physical cores per device, 4 logical cores at the default LNC=2.
+        _neuron("trn2.48xlarge", "Trainium2", 16, 96, 192, 2048, efa=16, cores_per_device=4),
+        _cpu("c5.2xlarge", 8, 16),
+        _cpu("c5.4xlarge", 16, 32),
+        _cpu("m5.2xlarge", 8, 32),
+        _cpu("m5.4xlarge", 16, 64),
+        _cpu("m6i.2xlarge", 8, 32),
+        _cpu("m7i.2xlarge", 8, 32),
+    )
+}
+
+
+def accelerated_types() -> list[str]:
+    return sorted(n for n, t in CATALOG.items() if t.is_accelerated)
+
+
+def cpu_types() -> list[str]:
+    return sorted(n for n, t in CATALOG.items() if not t.is_accelerated)
+
+
+def efa_types() -> list[str]:
+    return sorted(n for n, t in CATALOG.items() if t.supports_efa)
+
+
+def lookup(name: str) -> InstanceType:
+    """Return the catalog entry for ``name``; KeyError names the supported types."""
+    try:
+        return CATALOG[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not in the instance catalog; supported: {', '.join(sorted(CATALOG))}") from None

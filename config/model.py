@@ -1,0 +1,350 @@
+"""The typed platform config: one YAML file, validated before anything is synthesized.
+
+Every model forbids unknown keys. Rules that span fields raise :class:`FieldProblem`, which
+names the offending field, so each mistake becomes one line: field, bad value, what is
+allowed (see :mod:`config.loader`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from enum import Enum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from config.catalog import CATALOG, InstanceType, accelerated_types, cpu_types, lookup
+
+# Kubernetes minor versions for which EKS and a pinned kubectl Lambda layer both exist.
+SUPPORTED_KUBERNETES_VERSIONS = ("1.31", "1.32", "1.33", "1.34", "1.35")
+
+# FSx for Lustre rules (AWS FSx API reference, CreateFileSystem).
+FSX_CAPACITY_STEP_GIB = 2400
+FSX_SMALL_CAPACITIES_GIB = (1200, 2400)
+FSX_MAX_CAPACITY_GIB = 2_400 * 1_000
+
+# Retention periods CloudWatch Logs accepts (and CDK's RetentionDays names).
+LOG_RETENTION_DAYS = (
+    1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922, 3288, 3653
+)
+
+
+class FieldProblem(ValueError):
+    """A rule broken by one field. ``field`` is relative to the model that raised it."""
+
+    def __init__(self, field: str, value: Any, allowed: str, reason: str | None = None):
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        self.reason = reason
+        super().__init__(reason or f"{value!r} is not allowed")
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,19}$")]
+
+
+class CapacityType(str, Enum):
+    ON_DEMAND = "ON_DEMAND"
+    SPOT = "SPOT"
+
+
+class FsxDeploymentType(str, Enum):
+    PERSISTENT_2 = "PERSISTENT_2"
+    SCRATCH_2 = "SCRATCH_2"
+
+
+class FsxCompression(str, Enum):
+    LZ4 = "LZ4"
+    NONE = "NONE"
+
+
+# Throughput per TiB of storage that each deployment type accepts; None = not settable.
+FSX_THROUGHPUT_BY_TYPE: dict[FsxDeploymentType, tuple[int, ...] | None] = {
+    FsxDeploymentType.PERSISTENT_2: (125, 250, 500, 1000),
+    FsxDeploymentType.SCRATCH_2: None,
+}
+
+
+def _check_sizes(model: "_Sized") -> None:
+    if model.min_size > model.desired_size:
+        raise FieldProblem(
+            "min_size", model.min_size, f"at most desired_size ({model.desired_size})", "min_size exceeds desired_size"
+        )
+    if model.desired_size > model.max_size:
+        raise FieldProblem(
+            "desired_size", model.desired_size, f"at most max_size ({model.max_size})", "desired_size exceeds max_size"
+        )
+
+
+class _Sized(StrictModel):
+    min_size: int = Field(ge=0)
+    desired_size: int = Field(ge=0)
+    max_size: int = Field(ge=1)
+
+
+class NetworkConfig(StrictModel):
+    """The VPC. The compute AZ gets exactly one private compute subnet."""
+
+    vpc_cidr: str = "10.0.0.0/16"
+    nat_gateways: int = Field(default=1, ge=0, le=2)
+    interface_endpoints: bool = True
+    flow_logs_retention_days: int = 90
+
+    @field_validator("flow_logs_retention_days")
+    @classmethod
+    def _retention(cls, v: int) -> int:
+        if v not in LOG_RETENTION_DAYS:
+            raise FieldProblem("", v, ", ".join(map(str, LOG_RETENTION_DAYS)), "not a CloudWatch Logs retention")
+        return v
+
+    @field_validator("vpc_cidr")
+    @classmethod
+    def _cidr(cls, v: str) -> str:
+        try:
+            net = ipaddress.IPv4Network(v, strict=True)
+        except ValueError:
+            raise FieldProblem("", v, "an IPv4 network in CIDR form, e.g. 10.0.0.0/16", "not an IPv4 CIDR") from None
+        if not 16 <= net.prefixlen <= 20:
+            raise FieldProblem("", v, "a prefix length from /16 to /20", "prefix length out of range")
+        return v
+
+    @model_validator(mode="after")
+    def _private_nodes_need_a_way_out(self):
+        if self.nat_gateways == 0 and not self.interface_endpoints:
+            raise FieldProblem(
+                "interface_endpoints", False, "true when nat_gateways is 0 (nodes pull images through endpoints)"
+            )
+        return self
+
+
+class ClusterConfig(StrictModel):
+    """The EKS control plane."""
+
+    kubernetes_version: str = "1.34"
+    endpoint_access_cidrs: list[str] = Field(min_length=1)
+    admin_principal_arns: list[str] = []
+
+    @field_validator("kubernetes_version", mode="before")
+    @classmethod
+    def _version(cls, v: Any) -> Any:
+        if str(v) not in SUPPORTED_KUBERNETES_VERSIONS:
+            raise FieldProblem("", v, ", ".join(SUPPORTED_KUBERNETES_VERSIONS), "unsupported Kubernetes version")
+        return str(v)
+
+    @field_validator("endpoint_access_cidrs")
+    @classmethod
+    def _cidrs(cls, v: list[str]) -> list[str]:
+        for i, cidr in enumerate(v):
+            try:
+                ipaddress.IPv4Network(cidr, strict=True)
+            except ValueError:
+                raise FieldProblem(f"[{i}]", cidr, "IPv4 networks in CIDR form, e.g. 203.0.113.0/24") from None
+        return v
+
+    @field_validator("admin_principal_arns")
+    @classmethod
+    def _arns(cls, v: list[str]) -> list[str]:
+        for i, arn in enumerate(v):
+            if not re.fullmatch(r"arn:aws[a-z-]*:iam::\d{12}:(role|user)/[\w+=,.@/-]+", arn):
+                raise FieldProblem(f"[{i}]", arn, "IAM role or user ARNs, e.g. arn:aws:iam::123456789012:role/Admin")
+        return v
+
+
+class SystemNodeGroupConfig(_Sized):
+    """CPU nodes for etcd, Volcano, the autoscaler and other controllers."""
+
+    instance_type: str = "c5.2xlarge"
+    min_size: int = Field(default=2, ge=1)
+    desired_size: int = Field(default=2, ge=1)
+    max_size: int = Field(default=4, ge=1)
+
+    @field_validator("instance_type")
+    @classmethod
+    def _cpu_type(cls, v: str) -> str:
+        if v not in CATALOG or CATALOG[v].is_accelerated:
+            raise FieldProblem("", v, ", ".join(cpu_types()), "not a CPU instance type in the catalog")
+        return v
+
+    @model_validator(mode="after")
+    def _sizes(self):
+        _check_sizes(self)
+        return self
+
+
+class AcceleratedNodeGroupConfig(_Sized):
+    """One managed node group of GPU or Trainium nodes, in the compute subnet."""
+
+    name: Name
+    instance_type: str
+    capacity_type: CapacityType = CapacityType.ON_DEMAND
+    efa: bool | None = None  # None: on wherever the instance type has EFA
+    placement_group: bool = True
+
+    @field_validator("instance_type")
+    @classmethod
+    def _accelerated_type(cls, v: str) -> str:
+        if v not in CATALOG or not CATALOG[v].is_accelerated:
+            raise FieldProblem("", v, ", ".join(accelerated_types()), "not an accelerated instance type in the catalog")
+        return v
+
+    @model_validator(mode="after")
+    def _rules(self):
+        _check_sizes(self)
+        if self.efa and not self.instance.supports_efa:
+            raise FieldProblem(
+                "efa", True, "false for this type", f"{self.instance_type} has no EFA interfaces"
+            )
+        return self
+
+    @property
+    def instance(self) -> InstanceType:
+        return lookup(self.instance_type)
+
+    @property
+    def efa_enabled(self) -> bool:
+        return self.instance.supports_efa if self.efa is None else self.efa
+
+
+S3Prefix = Annotated[str, Field(pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*/$")]
+
+
+class FsxConfig(StrictModel):
+    """FSx for Lustre, linked to the data bucket."""
+
+    deployment_type: FsxDeploymentType = FsxDeploymentType.PERSISTENT_2
+    storage_capacity_gib: int = 1200
+    throughput_per_tib: int | None = None  # None: 250 for PERSISTENT_2, unset for SCRATCH_2
+    data_prefix: S3Prefix = "datasets/"
+    checkpoint_prefix: S3Prefix = "checkpoints/"
+    compression: FsxCompression = FsxCompression.LZ4
+    automatic_backup_retention_days: int | None = Field(default=None, ge=0, le=90)  # None: 7, or 0 for SCRATCH_2
+    retain_on_delete: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_by_type(cls, data: Any) -> Any:
+        # Defaults depend on the deployment type, so a user who only switches the type
+        # is not told off for values they never wrote.
+        if isinstance(data, dict):
+            scratch = data.get("deployment_type") == FsxDeploymentType.SCRATCH_2.value
+            data = dict(data)
+            if data.get("throughput_per_tib") is None and not scratch:
+                data["throughput_per_tib"] = 250
+            if data.get("automatic_backup_retention_days") is None:
+                data["automatic_backup_retention_days"] = 0 if scratch else 7
+        return data
+
+    @field_validator("storage_capacity_gib")
+    @classmethod
+    def _capacity(cls, v: int) -> int:
+        if v in FSX_SMALL_CAPACITIES_GIB or (0 < v <= FSX_MAX_CAPACITY_GIB and v % FSX_CAPACITY_STEP_GIB == 0):
+            return v
+        raise FieldProblem("", v, "1200, 2400 or a multiple of 2400 (4800, 7200, ...)")
+
+    @model_validator(mode="after")
+    def _throughput(self):
+        allowed = FSX_THROUGHPUT_BY_TYPE[self.deployment_type]
+        kind = self.deployment_type.value
+        if allowed is None and self.throughput_per_tib is not None:
+            raise FieldProblem("throughput_per_tib", self.throughput_per_tib, f"null (omit it) for {kind}")
+        if allowed is not None and self.throughput_per_tib not in allowed:
+            raise FieldProblem(
+                "throughput_per_tib", self.throughput_per_tib, f"{', '.join(map(str, allowed))} for {kind}"
+            )
+        if self.deployment_type is FsxDeploymentType.SCRATCH_2 and self.automatic_backup_retention_days:
+            raise FieldProblem(
+                "automatic_backup_retention_days",
+                self.automatic_backup_retention_days,
+                f"0 for {kind}, which has no backups",
+            )
+        if self.data_prefix == self.checkpoint_prefix:
+            raise FieldProblem("checkpoint_prefix", self.checkpoint_prefix, "a prefix different from data_prefix")
+        return self
+
+
+class EcrConfig(StrictModel):
+    """The trainer image repository."""
+
+    repository_name: str = Field(default="trainer", pattern=r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
+    max_image_count: int = Field(default=30, ge=1, le=1000)
+    retain_on_delete: bool = True
+
+
+class MonitoringConfig(StrictModel):
+    """CloudWatch Container Insights with GPU, Neuron and EFA metrics."""
+
+    enabled: bool = True
+
+
+SemVer = Annotated[str, Field(pattern=r"^v?\d+\.\d+\.\d+$")]
+
+
+class VersionsConfig(StrictModel):
+    """Pinned versions of what the platform installs into the cluster."""
+
+    etcd_image: str = "quay.io/coreos/etcd:v3.5.21"
+    volcano_chart: SemVer = "1.15.1"
+    nvidia_device_plugin_chart: SemVer = "0.17.1"
+    neuron_chart: SemVer = "1.1.2"
+    efa_device_plugin_chart: SemVer = "v0.5.7"
+    cluster_autoscaler_chart: SemVer = "9.50.0"
+
+    @field_validator("etcd_image")
+    @classmethod
+    def _etcd_v35(cls, v: str) -> str:
+        # torchrun's etcd-v2 rendezvous needs the v2 API, which etcd 3.6 removed.
+        if not re.fullmatch(r"[\w./:-]+:v3\.5\.\d+(@sha256:[0-9a-f]{64})?", v):
+            raise FieldProblem("", v, "an etcd 3.5.x image pinned by tag, e.g. quay.io/coreos/etcd:v3.5.21")
+        return v
+
+
+class PlatformConfig(StrictModel):
+    """Everything one platform deployment needs."""
+
+    name_prefix: Name
+    account: Annotated[str, Field(pattern=r"^\d{12}$")] | None = None
+    region: Annotated[str, Field(pattern=r"^[a-z]{2}(-[a-z]+)+-\d$")]
+    compute_az: str
+    control_plane_az: str
+    network: NetworkConfig = NetworkConfig()
+    cluster: ClusterConfig
+    system_node_group: SystemNodeGroupConfig = SystemNodeGroupConfig()
+    accelerated_node_groups: list[AcceleratedNodeGroupConfig] = Field(min_length=1)
+    fsx: FsxConfig = FsxConfig()
+    ecr: EcrConfig = EcrConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
+    versions: VersionsConfig = VersionsConfig()
+    tags: dict[Annotated[str, Field(min_length=1, max_length=128)], Annotated[str, Field(max_length=256)]] = {}
+
+    @field_validator("compute_az", "control_plane_az")
+    @classmethod
+    def _az_in_region(cls, v: str, info: ValidationInfo) -> str:
+        region = info.data.get("region")
+        if region is None:  # the region itself is invalid and already reported
+            return v
+        if not re.fullmatch(rf"{re.escape(region)}[a-z]", v):
+            raise FieldProblem("", v, f"an Availability Zone of {region}, e.g. {region}a", f"not in region {region}")
+        if info.field_name == "control_plane_az" and v == info.data.get("compute_az"):
+            raise FieldProblem("", v, "a second AZ, different from compute_az (EKS needs two)")
+        return v
+
+    @field_validator("accelerated_node_groups")
+    @classmethod
+    def _unique_names(cls, groups: list[AcceleratedNodeGroupConfig]) -> list[AcceleratedNodeGroupConfig]:
+        seen: set[str] = set()
+        for i, group in enumerate(groups):
+            if group.name in seen:
+                raise FieldProblem(f"[{i}].name", group.name, "a name not used by another node group", "duplicate")
+            seen.add(group.name)
+        return groups
+
+    def node_group(self, name: str) -> AcceleratedNodeGroupConfig:
+        for group in self.accelerated_node_groups:
+            if group.name == name:
+                return group
+        raise KeyError(name)

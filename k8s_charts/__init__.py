@@ -1,0 +1,1 @@
+"""cdk8s charts for the platform's Kubernetes objects (etcd, Volcano, storage, jobs)."""

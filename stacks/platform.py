@@ -1,0 +1,36 @@
+"""Compose the platform's stacks from a validated config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aws_cdk import App, Environment, Tags, Validations
+from cdk_nag import AwsSolutionsChecks
+
+from config import PlatformConfig
+from stacks.network_stack import NetworkStack
+
+
+@dataclass(frozen=True)
+class Platform:
+    network: NetworkStack
+
+    @property
+    def stacks(self) -> list:
+        return [self.network]
+
+
+def build_platform(app: App, config: PlatformConfig) -> Platform:
+    """Add every platform stack to ``app``, tagged, with cdk-nag AwsSolutions as a validation."""
+    # No account in the config: the stacks stay account-agnostic, so synth never needs
+    # credentials or a context lookup; deploy then targets the caller's account.
+    env = Environment(account=config.account, region=config.region)
+    prefix = config.name_prefix
+    network = NetworkStack(
+        app, f"{prefix}-network", config=config, env=env, description=f"{prefix}: training VPC and compute subnet"
+    )
+    Tags.of(app).add("platform", prefix)
+    for key, value in sorted(config.tags.items()):
+        Tags.of(app).add(key, value)
+    Validations.of(app).add_plugins(AwsSolutionsChecks(app))
+    return Platform(network=network)

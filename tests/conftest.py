@@ -1,0 +1,147 @@
+"""Shared fixtures: configs, in-process synthesis (cached per config), helpers."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+from aws_cdk import App
+from aws_cdk.assertions import Template
+
+from config import PlatformConfig, parse_config
+from stacks import build_platform
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "config" / "example.yaml"
+# The fixed account whose AZ lookup is pre-seeded in cdk.context.json.
+TEST_ACCOUNT = "123456789012"
+ASSET_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+def example_data() -> dict[str, Any]:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def config_variant(**changes: Any) -> dict[str, Any]:
+    """The example config with dotted-path changes, e.g. ``{"fsx.storage_capacity_gib": 2400}``."""
+    data = copy.deepcopy(example_data())
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = data
+        for part in parents:
+            node = node[int(part)] if part.isdigit() else node[part]
+        node[int(leaf) if leaf.isdigit() else leaf] = value
+    return data
+
+
+def cdk_context() -> dict[str, Any]:
+    """The context the CLI passes: cdk.json's plus the pre-seeded lookups."""
+    context = json.loads((REPO / "cdk.json").read_text())["context"]
+    context.update(json.loads((REPO / "cdk.context.json").read_text()))
+    context["aws:cdk:version-reporting"] = False
+    return context
+
+
+class Synthesized:
+    def __init__(self, config: PlatformConfig, outdir: Path):
+        app = App(context=cdk_context(), outdir=str(outdir))
+        self.config = config
+        self.platform = build_platform(app, config)
+        self.assembly = app.synth()  # runs cdk-nag: an unacknowledged finding raises here
+
+    def template(self, stack) -> Template:
+        return Template.from_stack(stack)
+
+    def template_files(self) -> dict[str, Path]:
+        return {s.stack_name: Path(self.assembly.directory) / s.template_file for s in self.assembly.stacks}
+
+
+@pytest.fixture(scope="session")
+def synth(tmp_path_factory) -> Callable[[dict[str, Any]], Synthesized]:
+    """Synthesize a config mapping in-process; equal configs are synthesized once."""
+    cache: dict[str, Synthesized] = {}
+
+    def _synth(data: dict[str, Any]) -> Synthesized:
+        key = json.dumps(data, sort_keys=True)
+        if key not in cache:
+            cache[key] = Synthesized(parse_config(data), tmp_path_factory.mktemp("cdk.out"))
+        return cache[key]
+
+    return _synth
+
+
+def mask_asset_hashes(value: Any) -> Any:
+    """Replace asset hashes (64 hex characters) and nothing else."""
+    if isinstance(value, str):
+        return ASSET_HASH.sub("<asset-hash>", value)
+    if isinstance(value, list):
+        return [mask_asset_hashes(v) for v in value]
+    if isinstance(value, dict):
+        return {mask_asset_hashes(k): mask_asset_hashes(v) for k, v in value.items()}
+    return value
+
+
+# Named config variants that are synthesized, linted and snapshotted.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "example": config_variant(),
+    "pinned-account": config_variant(account=TEST_ACCOUNT),
+    "private-no-nat": config_variant(**{"network.nat_gateways": 0, "network.interface_endpoints": True}),
+    "no-endpoints": config_variant(**{"network.interface_endpoints": False}),
+}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd_server(tmp_path):
+    """A real etcd (Debian's etcd-server) on loopback with the v2 API, as torchrun's etcd-v2 backend needs.
+
+    Explicit peer URLs keep two instances from colliding on the default 2380.
+    """
+    import shutil
+    import subprocess
+    import time
+    import urllib.request
+
+    binary = shutil.which("etcd")
+    assert binary, "etcd is missing: `make test` installs Debian's etcd-server"
+    client, peer = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--name=test",
+            f"--data-dir={tmp_path / 'etcd'}",
+            "--enable-v2=true",
+            f"--listen-client-urls=http://127.0.0.1:{client}",
+            f"--advertise-client-urls=http://127.0.0.1:{client}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster=test=http://127.0.0.1:{peer}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{client}/version", timeout=1).read()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"etcd did not start: {proc.stderr.read().decode()[-2000:]}") from None
+            time.sleep(0.1)
+    yield f"127.0.0.1:{client}"
+    proc.terminate()
+    proc.wait(timeout=10)

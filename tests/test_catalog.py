@@ -1,0 +1,85 @@
+"""The instance catalog against the facts table in DESIGN.md (EC2 and Neuron data)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cdk_constructs.network import RETENTION_BY_DAYS
+from config.catalog import (
+    AMI_NEURON,
+    AMI_NVIDIA,
+    AMI_STANDARD,
+    CATALOG,
+    EFA_RESOURCE,
+    NEURON_DEVICE_RESOURCE,
+    NVIDIA_GPU_RESOURCE,
+    Accelerator,
+    lookup,
+)
+from config.model import LOG_RETENTION_DAYS
+
+# name: (accelerator count, EFA interfaces, nproc per node)
+DESIGN_TABLE = {
+    "p3.8xlarge": (4, 0, 4),
+    "p3dn.24xlarge": (8, 1, 8),
+    "p4d.24xlarge": (8, 4, 8),
+    "p4de.24xlarge": (8, 4, 8),
+    "p5.48xlarge": (8, 32, 8),
+    "p5e.48xlarge": (8, 32, 8),
+    "p5en.48xlarge": (8, 16, 8),
+    "trn1.2xlarge": (1, 0, 2),
+    "trn1.32xlarge": (16, 8, 32),
+    "trn1n.32xlarge": (16, 16, 32),
+    "trn2.48xlarge": (16, 16, 64),  # 64 logical NeuronCores at the default LNC=2
+    "c5.2xlarge": (0, 0, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DESIGN_TABLE))
+def test_design_table_facts(name):
+    accelerators, efa, nproc = DESIGN_TABLE[name]
+    t = lookup(name)
+    assert (t.accelerator_count, t.efa_interfaces, t.nproc_per_node) == (accelerators, efa, nproc)
+
+
+@pytest.mark.parametrize(
+    ("name", "ami", "resource", "taint"),
+    [
+        ("p4d.24xlarge", AMI_NVIDIA, NVIDIA_GPU_RESOURCE, NVIDIA_GPU_RESOURCE),
+        ("p3.8xlarge", AMI_NVIDIA, NVIDIA_GPU_RESOURCE, NVIDIA_GPU_RESOURCE),
+        ("trn1.32xlarge", AMI_NEURON, NEURON_DEVICE_RESOURCE, NEURON_DEVICE_RESOURCE),
+        ("trn2.48xlarge", AMI_NEURON, NEURON_DEVICE_RESOURCE, NEURON_DEVICE_RESOURCE),
+        ("c5.2xlarge", AMI_STANDARD, None, None),
+    ],
+)
+def test_ami_type_and_kubernetes_resource(name, ami, resource, taint):
+    t = lookup(name)
+    assert (t.ami_type, t.accelerator_resource, t.taint_key) == (ami, resource, taint)
+
+
+def test_efa_resource_only_where_efa_exists():
+    assert lookup("p5.48xlarge").efa_resource == EFA_RESOURCE
+    assert lookup("p3.8xlarge").efa_resource is None
+    assert lookup("trn1.2xlarge").efa_resource is None
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_entries_are_self_consistent(name):
+    t = CATALOG[name]
+    assert t.vcpus > 0 and t.memory_gib > 0
+    if t.accelerator is Accelerator.NONE:
+        assert (t.accelerator_count, t.accelerator_memory_gib, t.efa_interfaces) == (0, 0, 0)
+    else:
+        assert t.accelerator_count > 0 and t.accelerator_memory_gib > 0 and t.accelerator_model
+        # NVIDIA: one process per GPU; Neuron: one per NeuronCore, a whole number per device.
+        assert t.nproc_per_node % t.accelerator_count == 0
+
+
+def test_unknown_type_lists_the_supported_ones():
+    with pytest.raises(KeyError) as caught:
+        lookup("p9.huge")
+    assert "'p9.huge' is not in the instance catalog; supported: c5.2xlarge," in str(caught.value)
+
+
+def test_log_retention_choices_match_cdk():
+    assert tuple(RETENTION_BY_DAYS) == LOG_RETENTION_DAYS

@@ -1,0 +1,128 @@
+"""Synthesis as users run it: the pinned CDK CLI and `python app.py`, offline, no credentials."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+CDK = REPO / "node_modules" / ".bin" / "cdk"
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def offline_env(tmp_path_factory) -> dict[str, str]:
+    """No AWS credentials or profile, no instance metadata, a fresh HOME."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "CDK_"))}
+    env.update(
+        HOME=str(tmp_path_factory.mktemp("home")),
+        PATH=f"{REPO / 'node_modules' / '.bin'}:{Path(sys.executable).parent}:{env.get('PATH', '')}",
+        AWS_EC2_METADATA_DISABLED="true",
+        CDK_DISABLE_CLI_TELEMETRY="true",
+        AWS_CONFIG_FILE=os.devnull,
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+    )
+    return env
+
+
+def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+
+
+def python_synth(outdir: Path, env, *context: str) -> subprocess.CompletedProcess:
+    args = [sys.executable, "app.py", "-o", str(outdir)]
+    for item in context:
+        args += ["-c", item]
+    return run(args, env)
+
+
+def cli_synth(outdir: Path, env, *context: str) -> subprocess.CompletedProcess:
+    assert CDK.exists(), "the pinned CDK CLI is missing: run `make test`, which installs it with npm ci"
+    args = [str(CDK), "synth", "--quiet", "--output", str(outdir)]
+    for item in context:
+        args += ["-c", item]
+    return run(args, env)
+
+
+def templates(outdir: Path) -> list[str]:
+    return sorted(p.name for p in outdir.glob("*.template.json"))
+
+
+@pytest.fixture(scope="module")
+def default_synths(tmp_path_factory, offline_env):
+    """Two `python app.py` runs and one `cdk synth` of the default config."""
+    outs = {name: tmp_path_factory.mktemp(name) for name in ("python1", "python2", "cli")}
+    for name in ("python1", "python2"):
+        result = python_synth(outs[name], offline_env)
+        assert result.returncode == 0, result.stderr
+    result = cli_synth(outs["cli"], offline_env)
+    assert result.returncode == 0, result.stderr
+    return outs
+
+
+def test_pinned_cli_version():
+    result = subprocess.run([str(CDK), "--version"], capture_output=True, text=True, env={**os.environ, "PATH": f"{CDK.parent}:{os.environ['PATH']}"})
+    assert result.stdout.startswith("2.1148."), result.stdout
+
+
+def test_default_config_synthesizes_offline(default_synths):
+    assert templates(default_synths["cli"]) == ["mltrain-network.template.json"]
+
+
+def test_two_runs_are_byte_identical(default_synths):
+    names = templates(default_synths["python1"])
+    assert names and names == templates(default_synths["python2"])
+    _, mismatch, errors = filecmp.cmpfiles(default_synths["python1"], default_synths["python2"], names, shallow=False)
+    assert (mismatch, errors) == ([], [])
+
+
+def test_cli_and_python_app_give_identical_templates(default_synths):
+    names = templates(default_synths["cli"])
+    _, mismatch, errors = filecmp.cmpfiles(default_synths["cli"], default_synths["python1"], names, shallow=False)
+    assert (mismatch, errors) == ([], [])
+
+
+@pytest.fixture
+def bad_config(tmp_path) -> Path:
+    path = tmp_path / "bad.yaml"
+    text = (REPO / "config" / "example.yaml").read_text().replace("storage_capacity_gib: 1200", "storage_capacity_gib: 1000")
+    path.write_text(text)
+    return path
+
+
+EXPECTED_LINE = "fsx.storage_capacity_gib: got 1000; allowed: 1200, 2400 or a multiple of 2400 (4800, 7200, ...)"
+
+
+def test_bad_config_python_app_one_line_no_traceback_nothing_written(tmp_path, bad_config, offline_env):
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    (outdir / "previous.template.json").write_text("{}")
+    result = python_synth(outdir, offline_env, f"config={bad_config}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"config error: {bad_config}: {EXPECTED_LINE}"]
+    assert sorted(p.name for p in outdir.iterdir()) == ["previous.template.json"]
+
+
+def test_bad_config_cli_fails_and_keeps_the_previous_output(tmp_path, bad_config, offline_env):
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    (outdir / "previous.template.json").write_text("{}")
+    result = cli_synth(outdir, offline_env, f"config={bad_config}")
+    assert result.returncode != 0
+    assert f"config error: {bad_config}: {EXPECTED_LINE}" in result.stderr.splitlines()
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in outdir.iterdir()) == ["previous.template.json"]
+    assert (outdir / "previous.template.json").read_text() == "{}"
+
+
+def test_python_app_rejects_malformed_context_argument(tmp_path, offline_env):
+    result = python_synth(tmp_path / "out", offline_env, "config")
+    assert result.returncode == 2
+    assert "-c config: expected KEY=VALUE, e.g. -c config=config/example.yaml" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,4 @@
+"""The elastic trainer that runs under torchrun inside the training image.
+
+It depends only on ``training/requirements.txt`` and never imports CDK.
+"""
