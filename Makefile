@@ -59,7 +59,9 @@ $(NODE_STAMP): package.json package-lock.json
 
 # Debian packages for the tests (a real etcd for rendezvous tests). Installed only when missing.
 system-packages:
-	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	@missing=""; for p in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \
+	done; \
 	if [ -n "$$missing" ]; then \
 	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
 	  echo "installing Debian packages:$$missing"; \
