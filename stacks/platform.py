@@ -32,5 +32,10 @@ def build_platform(app: App, config: PlatformConfig) -> Platform:
     Tags.of(app).add("platform", prefix)
     for key, value in sorted(config.tags.items()):
         Tags.of(app).add(key, value)
-    Validations.of(app).add_plugins(AwsSolutionsChecks(app))
+    add_policy_checks(app)
     return Platform(network=network)
+
+
+def add_policy_checks(app: App) -> None:
+    """cdk-nag AwsSolutions as a validation plugin: any unacknowledged finding fails synth."""
+    Validations.of(app).add_plugins(AwsSolutionsChecks(app))
