@@ -27,9 +27,12 @@ DEB_PACKAGES := etcd-server
 
 .PHONY: synth test setup-deploy setup-test system-packages benchmark lock clean
 
+# Synthesize into a staging folder and swap it in only on success: a bad config leaves
+# the previous cdk.out as it was, and a removed stack leaves no stale template behind.
 synth: setup-deploy
-	rm -rf $(OUT)
-	cdk synth --quiet --output $(OUT) -c config=$(CONFIG)
+	rm -rf $(OUT).staging
+	cdk synth --quiet --output $(OUT).staging -c config=$(CONFIG)
+	rm -rf $(OUT) && mv $(OUT).staging $(OUT)
 	@echo "CloudFormation templates: $$(ls $(OUT)/*.template.json | tr '\n' ' ')"
 
 test: setup-test

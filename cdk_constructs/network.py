@@ -97,9 +97,4 @@ class TrainingNetwork(Construct):
         if len(compute.subnets) != 1:
             raise ValueError(f"expected one private subnet in {props.compute_az}, found {len(compute.subnets)}")
         self.compute_subnet: ec2.ISubnet = compute.subnets[0]
-        self.compute_az = props.compute_az
-
-    @property
-    def private_subnets(self) -> list[ec2.ISubnet]:
-        return self.vpc.select_subnets(subnet_group_name=PRIVATE_GROUP).subnets
 

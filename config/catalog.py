@@ -141,10 +141,6 @@ def cpu_types() -> list[str]:
     return sorted(n for n, t in CATALOG.items() if not t.is_accelerated)
 
 
-def efa_types() -> list[str]:
-    return sorted(n for n, t in CATALOG.items() if t.supports_efa)
-
-
 def lookup(name: str) -> InstanceType:
     """Return the catalog entry for ``name``; KeyError names the supported types."""
     try:

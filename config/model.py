@@ -42,7 +42,7 @@ class FieldProblem(ValueError):
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,19}$")]
@@ -342,9 +342,3 @@ class PlatformConfig(StrictModel):
                 raise FieldProblem(f"[{i}].name", group.name, "a name not used by another node group", "duplicate")
             seen.add(group.name)
         return groups
-
-    def node_group(self, name: str) -> AcceleratedNodeGroupConfig:
-        for group in self.accelerated_node_groups:
-            if group.name == name:
-                return group
-        raise KeyError(name)

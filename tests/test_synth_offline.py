@@ -126,3 +126,13 @@ def test_python_app_rejects_malformed_context_argument(tmp_path, offline_env):
     assert result.returncode == 2
     assert "-c config: expected KEY=VALUE, e.g. -c config=config/example.yaml" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_make_synth_with_a_bad_config_keeps_the_previous_output(tmp_path, bad_config, offline_env):
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    (outdir / "previous.template.json").write_text("{}")
+    result = run(["make", "--no-print-directory", "synth", f"CONFIG={bad_config}", f"OUT={outdir}"], offline_env)
+    assert result.returncode != 0
+    assert f"config error: {bad_config}: {EXPECTED_LINE}" in result.stderr.splitlines()
+    assert sorted(p.name for p in outdir.iterdir()) == ["previous.template.json"]
