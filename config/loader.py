@@ -107,8 +107,9 @@ def _format_one(err: dict[str, Any], root: type[BaseModel]) -> str:
         return f"{path}: got {_show(problem.value)}{reason}; allowed: {problem.allowed}"
     path = _path(loc)
     if kind == "extra_forbidden":
-        allowed = sorted(_model_at(root, loc[:-1]).model_fields) if _model_at(root, loc[:-1]) else []
-        return f"{path}: unknown key; allowed keys here: {', '.join(allowed)}"
+        parent = _model_at(root, loc[:-1])
+        allowed = ", ".join(sorted(parent.model_fields)) if parent else "see the README's config reference"
+        return f"{path}: unknown key; allowed keys here: {allowed}"
     if kind == "missing":
         return f"{path}: required key is missing"
     if kind == "string_pattern_mismatch":

@@ -70,21 +70,24 @@ FSX_THROUGHPUT_BY_TYPE: dict[FsxDeploymentType, tuple[int, ...] | None] = {
 }
 
 
-def _check_sizes(model: "_Sized") -> None:
-    if model.min_size > model.desired_size:
-        raise FieldProblem(
-            "min_size", model.min_size, f"at most desired_size ({model.desired_size})", "min_size exceeds desired_size"
-        )
-    if model.desired_size > model.max_size:
-        raise FieldProblem(
-            "desired_size", model.desired_size, f"at most max_size ({model.max_size})", "desired_size exceeds max_size"
-        )
-
-
 class _Sized(StrictModel):
+    """A node group's sizes; every subclass gets the min <= desired <= max rule."""
+
     min_size: int = Field(ge=0)
     desired_size: int = Field(ge=0)
     max_size: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _sizes_in_order(self):
+        if self.min_size > self.desired_size:
+            raise FieldProblem(
+                "min_size", self.min_size, f"at most desired_size ({self.desired_size})", "min_size exceeds desired_size"
+            )
+        if self.desired_size > self.max_size:
+            raise FieldProblem(
+                "desired_size", self.desired_size, f"at most max_size ({self.max_size})", "desired_size exceeds max_size"
+            )
+        return self
 
 
 class NetworkConfig(StrictModel):
@@ -170,11 +173,6 @@ class SystemNodeGroupConfig(_Sized):
             raise FieldProblem("", v, ", ".join(cpu_types()), "not a CPU instance type in the catalog")
         return v
 
-    @model_validator(mode="after")
-    def _sizes(self):
-        _check_sizes(self)
-        return self
-
 
 class AcceleratedNodeGroupConfig(_Sized):
     """One managed node group of GPU or Trainium nodes, in the compute subnet."""
@@ -193,8 +191,7 @@ class AcceleratedNodeGroupConfig(_Sized):
         return v
 
     @model_validator(mode="after")
-    def _rules(self):
-        _check_sizes(self)
+    def _efa_only_where_supported(self):
         if self.efa and not self.instance.supports_efa:
             raise FieldProblem(
                 "efa", True, "false for this type", f"{self.instance_type} has no EFA interfaces"

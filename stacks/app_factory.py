@@ -12,6 +12,25 @@ from aws_cdk import App
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def _cdk_json() -> dict:
+    return json.loads((REPO_ROOT / "cdk.json").read_text())
+
+
+def cli_context(overrides: dict | None = None) -> dict:
+    """The context the CDK CLI would pass: cdk.json's, the cached lookups, then ``overrides``."""
+    cdk_json = _cdk_json()
+    context = dict(cdk_json.get("context", {}))
+    cached = REPO_ROOT / "cdk.context.json"
+    if cached.exists():
+        context.update(json.loads(cached.read_text()))
+    context.update(overrides or {})
+    # What the CLI passes by default (path metadata on, version reporting off per cdk.json).
+    context.setdefault("aws:cdk:enable-path-metadata", True)
+    context.setdefault("aws:cdk:enable-asset-metadata", True)
+    context.setdefault("aws:cdk:version-reporting", cdk_json.get("versionReporting", True))
+    return context
+
+
 def create_app(argv: list[str] | None = None) -> App:
     """Return the App for this run.
 
@@ -25,18 +44,10 @@ def create_app(argv: list[str] | None = None) -> App:
     parser.add_argument("-c", "--context", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("-o", "--output", default=None, help="output directory (default: cdk.json's, cdk.out)")
     args = parser.parse_args(argv)
-    cdk_json = json.loads((REPO_ROOT / "cdk.json").read_text())
-    context = dict(cdk_json.get("context", {}))
-    cached = REPO_ROOT / "cdk.context.json"
-    if cached.exists():
-        context.update(json.loads(cached.read_text()))
+    overrides = {}
     for item in args.context:
         key, sep, value = item.partition("=")
         if not sep:
             parser.error(f"-c {item}: expected KEY=VALUE, e.g. -c config=config/example.yaml")
-        context[key] = value
-    # What the CLI passes by default (path metadata on, version reporting off per cdk.json).
-    context.setdefault("aws:cdk:enable-path-metadata", True)
-    context.setdefault("aws:cdk:enable-asset-metadata", True)
-    context.setdefault("aws:cdk:version-reporting", cdk_json.get("versionReporting", True))
-    return App(context=context, outdir=args.output or cdk_json.get("output", "cdk.out"))
+        overrides[key] = value
+    return App(context=cli_context(overrides), outdir=args.output or _cdk_json().get("output", "cdk.out"))

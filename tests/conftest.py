@@ -15,6 +15,7 @@ from aws_cdk.assertions import Template
 
 from config import PlatformConfig, parse_config
 from stacks import build_platform
+from stacks.app_factory import cli_context
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "config" / "example.yaml"
@@ -39,17 +40,9 @@ def config_variant(**changes: Any) -> dict[str, Any]:
     return data
 
 
-def cdk_context() -> dict[str, Any]:
-    """The context the CLI passes: cdk.json's plus the pre-seeded lookups."""
-    context = json.loads((REPO / "cdk.json").read_text())["context"]
-    context.update(json.loads((REPO / "cdk.context.json").read_text()))
-    context["aws:cdk:version-reporting"] = False
-    return context
-
-
 class Synthesized:
     def __init__(self, config: PlatformConfig, outdir: Path):
-        app = App(context=cdk_context(), outdir=str(outdir))
+        app = App(context=cli_context(), outdir=str(outdir))
         self.config = config
         self.platform = build_platform(app, config)
         self.assembly = app.synth()  # runs cdk-nag: an unacknowledged finding raises here
