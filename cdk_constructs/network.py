@@ -45,6 +45,11 @@ class TrainingNetwork(Construct):
 
     ``compute_subnet`` is the single private subnet in the compute AZ: accelerated node
     groups and the FSx file system must use it and nothing else.
+
+    ``node_security_group`` goes on every worker node (system and accelerated). It admits
+    all traffic from itself in both directions, which EFA requires, and it is the group
+    the file system trusts. Nodes get their general egress from the EKS cluster security
+    group they also carry.
     """
 
     def __init__(self, scope: Construct, id: str, props: TrainingNetworkProps) -> None:
@@ -92,6 +97,16 @@ class TrainingNetwork(Construct):
                     name, service=service, subnets=private, private_dns_enabled=True,
                     security_groups=[endpoint_sg], open=False,
                 )
+
+        self.node_security_group = ec2.SecurityGroup(
+            self,
+            "NodeSecurityGroup",
+            vpc=self.vpc,
+            description="Worker nodes: all traffic among themselves (EFA), and the Lustre clients FSx trusts",
+            # With allow_all_outbound=True CDK silently drops the self egress rule EFA needs.
+            allow_all_outbound=False,
+        )
+        self.node_security_group.connections.allow_internally(ec2.Port.all_traffic(), "EFA and node-to-node")
 
         compute = self.vpc.select_subnets(subnet_group_name=PRIVATE_GROUP, availability_zones=[props.compute_az])
         if len(compute.subnets) != 1:

@@ -12,7 +12,7 @@ import re
 from enum import Enum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from config.catalog import CATALOG, InstanceType, accelerated_types, cpu_types, lookup
 
@@ -39,6 +39,15 @@ class FieldProblem(ValueError):
         self.allowed = allowed
         self.reason = reason
         super().__init__(reason or f"{value!r} is not allowed")
+
+
+def _log_retention(days: int) -> int:
+    if days not in LOG_RETENTION_DAYS:
+        raise FieldProblem("", days, ", ".join(map(str, LOG_RETENTION_DAYS)), "not a CloudWatch Logs retention")
+    return days
+
+
+RetentionDays = Annotated[int, AfterValidator(_log_retention)]
 
 
 class StrictModel(BaseModel):
@@ -96,14 +105,7 @@ class NetworkConfig(StrictModel):
     vpc_cidr: str = "10.0.0.0/16"
     nat_gateways: int = Field(default=1, ge=0, le=2)
     interface_endpoints: bool = True
-    flow_logs_retention_days: int = 90
-
-    @field_validator("flow_logs_retention_days")
-    @classmethod
-    def _retention(cls, v: int) -> int:
-        if v not in LOG_RETENTION_DAYS:
-            raise FieldProblem("", v, ", ".join(map(str, LOG_RETENTION_DAYS)), "not a CloudWatch Logs retention")
-        return v
+    flow_logs_retention_days: RetentionDays = 90
 
     @field_validator("vpc_cidr")
     @classmethod
@@ -220,6 +222,7 @@ class FsxConfig(StrictModel):
     checkpoint_prefix: S3Prefix = "checkpoints/"
     compression: FsxCompression = FsxCompression.LZ4
     automatic_backup_retention_days: int | None = Field(default=None, ge=0, le=90)  # None: 7, or 0 for SCRATCH_2
+    log_retention_days: RetentionDays = 90
     retain_on_delete: bool = True
 
     @model_validator(mode="before")
@@ -259,9 +262,37 @@ class FsxConfig(StrictModel):
                 self.automatic_backup_retention_days,
                 f"0 for {kind}, which has no backups",
             )
-        if self.data_prefix == self.checkpoint_prefix:
-            raise FieldProblem("checkpoint_prefix", self.checkpoint_prefix, "a prefix different from data_prefix")
+        # Two links may not overlap on either side (FSx rule), so neither prefix may contain the other.
+        if self.checkpoint_prefix.startswith(self.data_prefix) or self.data_prefix.startswith(self.checkpoint_prefix):
+            raise FieldProblem(
+                "checkpoint_prefix",
+                self.checkpoint_prefix,
+                f"a prefix that neither contains nor lies inside data_prefix ({self.data_prefix})",
+            )
         return self
+
+    @property
+    def data_path(self) -> str:
+        """Where ``data_prefix`` appears on the file system, e.g. ``/datasets``."""
+        return file_system_path(self.data_prefix)
+
+    @property
+    def checkpoint_path(self) -> str:
+        """Where ``checkpoint_prefix`` appears on the file system, e.g. ``/checkpoints``."""
+        return file_system_path(self.checkpoint_prefix)
+
+
+def file_system_path(s3_prefix: str) -> str:
+    """The file-system directory an S3 prefix is linked to: ``datasets/`` <-> ``/datasets``."""
+    return "/" + s3_prefix.rstrip("/")
+
+
+class BucketConfig(StrictModel):
+    """The S3 bucket behind the file system: datasets and checkpoints, versioned."""
+
+    retain_on_delete: bool = True
+    noncurrent_version_retention_days: int = Field(default=30, ge=1, le=3650)
+    access_log_retention_days: int = Field(default=365, ge=1, le=3650)
 
 
 class EcrConfig(StrictModel):
@@ -313,6 +344,7 @@ class PlatformConfig(StrictModel):
     system_node_group: SystemNodeGroupConfig = SystemNodeGroupConfig()
     accelerated_node_groups: list[AcceleratedNodeGroupConfig] = Field(min_length=1)
     fsx: FsxConfig = FsxConfig()
+    bucket: BucketConfig = BucketConfig()
     ecr: EcrConfig = EcrConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
     versions: VersionsConfig = VersionsConfig()

@@ -34,3 +34,9 @@ class NetworkStack(Stack):
             value=self.network.compute_subnet.subnet_id,
             description=f"The one subnet ({config.compute_az}) for accelerated nodes and FSx for Lustre",
         )
+        CfnOutput(
+            self,
+            "NodeSecurityGroupId",
+            value=self.network.node_security_group.security_group_id,
+            description="Attached to every worker node; FSx for Lustre admits its clients by this group",
+        )

@@ -9,15 +9,20 @@ from cdk_nag import AwsSolutionsChecks
 
 from config import PlatformConfig
 from stacks.network_stack import NetworkStack
+from stacks.registry_stack import RegistryStack
+from stacks.storage_stack import StorageStack
 
 
 @dataclass(frozen=True)
 class Platform:
     network: NetworkStack
+    registry: RegistryStack
+    storage: StorageStack
 
     @property
     def stacks(self) -> list:
-        return [self.network]
+        """In deploy order. Teardown (README): storage, then the cluster, then registry, then network."""
+        return [self.network, self.registry, self.storage]
 
 
 def build_platform(app: App, config: PlatformConfig) -> Platform:
@@ -29,11 +34,26 @@ def build_platform(app: App, config: PlatformConfig) -> Platform:
     network = NetworkStack(
         app, f"{prefix}-network", config=config, env=env, description=f"{prefix}: training VPC and compute subnet"
     )
+    registry = RegistryStack(
+        app,
+        f"{prefix}-registry",
+        config=config,
+        env=env,
+        description=f"{prefix}: trainer image repository and the worker node role that pulls from it",
+    )
+    storage = StorageStack(
+        app,
+        f"{prefix}-storage",
+        config=config,
+        network=network,
+        env=env,
+        description=f"{prefix}: FSx for Lustre in the compute subnet, linked to the S3 data bucket",
+    )
     Tags.of(app).add("platform", prefix)
     for key, value in sorted(config.tags.items()):
         Tags.of(app).add(key, value)
     add_policy_checks(app)
-    return Platform(network=network)
+    return Platform(network=network, registry=registry, storage=storage)
 
 
 def add_policy_checks(app: App) -> None:

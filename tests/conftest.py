@@ -85,6 +85,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "pinned-account": config_variant(account=TEST_ACCOUNT),
     "private-no-nat": config_variant(**{"network.nat_gateways": 0, "network.interface_endpoints": True}),
     "no-endpoints": config_variant(**{"network.interface_endpoints": False}),
+    "fsx-scratch": config_variant(
+        **{"fsx.deployment_type": "SCRATCH_2", "fsx.throughput_per_tib": None, "fsx.automatic_backup_retention_days": None}
+    ),
+    "fsx-2400": config_variant(**{"fsx.storage_capacity_gib": 2400}),
+    "fsx-4800": config_variant(**{"fsx.storage_capacity_gib": 4800, "fsx.throughput_per_tib": 500}),
+    "nothing-retained": config_variant(
+        **{"fsx.retain_on_delete": False, "bucket.retain_on_delete": False, "ecr.retain_on_delete": False}
+    ),
 }
 
 

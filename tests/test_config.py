@@ -33,14 +33,15 @@ def test_example_config_is_valid():
     [
         pytest.param(
             {"colour": "blue"},
-            "colour: unknown key; allowed keys here: accelerated_node_groups, account, cluster, compute_az, "
+            "colour: unknown key; allowed keys here: accelerated_node_groups, account, bucket, cluster, compute_az, "
             "control_plane_az, ecr, fsx, monitoring, name_prefix, network, region, system_node_group, tags, versions",
             id="unknown-top-level-key",
         ),
         pytest.param(
             {"fsx.capacity": 1200},
             "fsx.capacity: unknown key; allowed keys here: automatic_backup_retention_days, checkpoint_prefix, "
-            "compression, data_prefix, deployment_type, retain_on_delete, storage_capacity_gib, throughput_per_tib",
+            "compression, data_prefix, deployment_type, log_retention_days, retain_on_delete, storage_capacity_gib, "
+            "throughput_per_tib",
             id="unknown-nested-key",
         ),
         pytest.param(
@@ -193,8 +194,26 @@ def test_example_config_is_valid():
         ),
         pytest.param(
             {"fsx.checkpoint_prefix": "datasets/"},
-            "fsx.checkpoint_prefix: got \"datasets/\"; allowed: a prefix different from data_prefix",
+            "fsx.checkpoint_prefix: got \"datasets/\"; allowed: a prefix that neither contains nor lies inside "
+            "data_prefix (datasets/)",
             id="same-prefixes",
+        ),
+        pytest.param(
+            {"fsx.checkpoint_prefix": "datasets/ckpt/"},
+            "fsx.checkpoint_prefix: got \"datasets/ckpt/\"; allowed: a prefix that neither contains nor lies inside "
+            "data_prefix (datasets/)",
+            id="nested-prefixes",
+        ),
+        pytest.param(
+            {"fsx.log_retention_days": 2},
+            "fsx.log_retention_days: got 2 (not a CloudWatch Logs retention); allowed: "
+            + ", ".join(map(str, LOG_RETENTION_DAYS)),
+            id="fsx-log-retention",
+        ),
+        pytest.param(
+            {"bucket.noncurrent_version_retention_days": 0},
+            "bucket.noncurrent_version_retention_days: got 0; allowed: greater than or equal to 1",
+            id="noncurrent-retention",
         ),
         pytest.param(
             {"name_prefix": "ML_Train"},

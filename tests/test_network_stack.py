@@ -84,6 +84,20 @@ def test_no_ingress_from_the_internet(synth, variant):
         assert all(r.get("CidrIp") != "0.0.0.0/0" and r.get("CidrIpv6") != "::/0" for r in rules)
 
 
+def test_node_security_group_passes_all_traffic_to_and_from_itself_only(example):
+    """EFA needs all traffic within the group, both ways; and nothing else may be opened here."""
+    t = example.template(example.platform.network)
+    (sg_id,) = t.find_resources("AWS::EC2::SecurityGroup", {"Properties": {"GroupDescription": Match.string_like_regexp("^Worker nodes")}})
+    own = {"Fn::GetAtt": [sg_id, "GroupId"]}
+    ingress = [r["Properties"] for r in t.find_resources("AWS::EC2::SecurityGroupIngress").values() if r["Properties"]["GroupId"] == own]
+    egress = [r["Properties"] for r in t.find_resources("AWS::EC2::SecurityGroupEgress").values() if r["Properties"]["GroupId"] == own]
+    assert [(r["IpProtocol"], r["SourceSecurityGroupId"]) for r in ingress] == [("-1", own)]
+    assert [(r["IpProtocol"], r["DestinationSecurityGroupId"]) for r in egress] == [("-1", own)]
+    # Nothing inline; CloudFormation drops the default allow-all egress once the rule above exists.
+    assert not {"SecurityGroupIngress", "SecurityGroupEgress"} & set(t.find_resources("AWS::EC2::SecurityGroup")[sg_id]["Properties"])
+    assert "NodeSecurityGroupId" in t.find_outputs("*")
+
+
 def test_without_nat_the_private_subnets_are_isolated(synth):
     result = synth(VARIANTS["private-no-nat"])
     t = result.template(result.platform.network)

@@ -33,3 +33,34 @@ def test_unacknowledged_finding_fails_synth(tmp_path):
 
 def test_acknowledged_finding_passes(tmp_path):
     _open_security_group_app(tmp_path, acknowledge=True).synth()
+
+
+# Every cdk-nag finding the platform accepts, where, and why it is in this list. A new
+# acknowledgement must be added here on purpose, so a reviewer sees it in the diff.
+REVIEWED_ACKNOWLEDGEMENTS = {
+    ("mltrain-storage/Data/AccessLogs", "AwsSolutions::AwsSolutions-S1"),
+    (
+        "mltrain-registry/Nodes/Role",
+        "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonEKSWorkerNodePolicy]",
+    ),
+    (
+        "mltrain-registry/Nodes/Role",
+        "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonEC2ContainerRegistryPullOnly]",
+    ),
+    ("mltrain-registry/Nodes/Role", "AwsSolutions::AwsSolutions-IAM5[Resource::*]"),
+}
+
+
+def test_platform_acknowledges_only_reviewed_findings_each_with_a_reason(synth):
+    from tests.conftest import VARIANTS
+
+    app = synth(VARIANTS["example"]).platform.network.node.scope
+    found = {}
+    for construct in app.node.find_all():
+        for entry in construct.node.metadata:
+            if entry.type == Validations.ACKNOWLEDGED_RULES_METADATA_KEY:
+                for rule, reason in entry.data.items():
+                    if rule.startswith("AwsSolutions::"):
+                        found[(construct.node.path, rule)] = reason
+    assert set(found) == REVIEWED_ACKNOWLEDGEMENTS
+    assert all(len(reason) > 30 for reason in found.values())

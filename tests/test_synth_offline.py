@@ -72,7 +72,11 @@ def test_pinned_cli_version():
 
 
 def test_default_config_synthesizes_offline(default_synths):
-    assert templates(default_synths["cli"]) == ["mltrain-network.template.json"]
+    assert templates(default_synths["cli"]) == [
+        "mltrain-network.template.json",
+        "mltrain-registry.template.json",
+        "mltrain-storage.template.json",
+    ]
 
 
 def test_two_runs_are_byte_identical(default_synths):
