@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -108,7 +109,7 @@ class LinkedLustreFileSystem(Construct):
             removal_policy=RemovalPolicy.DESTROY,
         )
 
-        backups = props.automatic_backup_retention_days if persistent else 0
+        backups = props.automatic_backup_retention_days if persistent else None
         self.file_system = fsx.CfnFileSystem(
             self,
             "FileSystem",
@@ -122,7 +123,7 @@ class LinkedLustreFileSystem(Construct):
                 deployment_type=props.deployment_type,
                 per_unit_storage_throughput=props.throughput_per_tib,
                 data_compression_type=props.compression,
-                automatic_backup_retention_days=backups if persistent else None,
+                automatic_backup_retention_days=backups,
                 daily_automatic_backup_start_time="03:00" if backups else None,
                 copy_tags_to_backups=True if persistent else None,
                 log_configuration=fsx.CfnFileSystem.LogConfigurationProperty(
@@ -137,7 +138,7 @@ class LinkedLustreFileSystem(Construct):
         for link in props.links:
             association = fsx.CfnDataRepositoryAssociation(
                 self,
-                "Link" + link.file_system_path.strip("/").title().replace("/", "").replace("-", ""),
+                "Link" + re.sub(r"[^A-Za-z0-9]", "", link.file_system_path.title()),
                 file_system_id=self.file_system.ref,
                 file_system_path=link.file_system_path,
                 data_repository_path=props.bucket.s3_url_for_object(link.s3_prefix),
