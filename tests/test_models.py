@@ -1,0 +1,80 @@
+"""The trainer's models: architecture held against reference parameter counts and published sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training.models import MODEL_NAMES, build_model, parameter_count
+from training.models.efficientnet import SCALINGS
+
+# Exact counts of the reference implementations (torchvision for the CNNs, Hugging Face
+# BertForMaskedLM for BERT): equal counts mean the same layers with the same shapes.
+REFERENCE_COUNTS = {
+    "resnet18": 11_689_512,
+    "resnet50": 25_557_032,
+    "efficientnet_b0": 5_288_548,
+    "efficientnet_b7": 66_347_960,
+    "bert_base": 109_514_298,
+    "bert_large": 335_174_458,
+}
+
+# Sizes as the papers publish them, rounded. BERT-large's "340M" is 1.4 % above what its
+# own layer sizes add up to (BertForMaskedLM, pooler and NSP head excluded; with them
+# 336.2M, still 1.1 % short), so it is held against its exact count above instead.
+PUBLISHED_MILLIONS = {
+    "resnet18": 11.7,
+    "resnet50": 25.6,
+    "efficientnet_b0": 5.3,
+    "efficientnet_b7": 66.0,
+    "bert_base": 110.0,
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_COUNTS))
+def test_parameter_count_matches_the_reference_implementation(name):
+    assert parameter_count(build_model(name)) == REFERENCE_COUNTS[name]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_MILLIONS))
+def test_parameter_count_within_one_percent_of_the_published_figure(name):
+    millions = parameter_count(build_model(name)) / 1e6
+    assert abs(millions - PUBLISHED_MILLIONS[name]) / PUBLISHED_MILLIONS[name] <= 0.01
+
+
+def test_efficientnet_scaling_rule_grows_every_member():
+    sizes = [parameter_count(build_model(name)) for name in sorted(SCALINGS)]
+    assert sizes == sorted(sizes) and len(set(sizes)) == 8
+    assert build_model("efficientnet_b7").resolution == 600
+
+
+@pytest.mark.parametrize("name", ["resnet18", "efficientnet_b0"])
+def test_image_models_classify_and_train(name):
+    model = build_model(name, num_classes=10)
+    images = torch.randn(2, 3, 64, 64).contiguous(memory_format=torch.channels_last)
+    loss = torch.nn.functional.cross_entropy(model(images), torch.tensor([1, 7]))
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_masked_lm_loss_counts_only_masked_positions():
+    torch.manual_seed(0)
+    model = build_model("bert_tiny").eval()
+    tokens = torch.randint(0, 30522, (2, 16))
+    labels = torch.full_like(tokens, -100)
+    labels[:, 3] = tokens[:, 3]
+    logits = model(tokens)
+    expected = torch.nn.functional.cross_entropy(logits[:, 3], tokens[:, 3])
+    assert torch.allclose(model(tokens, labels=labels), expected)
+    # Padding is masked out of attention: changing padded tokens leaves real positions alone.
+    mask = torch.ones_like(tokens)
+    mask[:, 12:] = 0
+    other = tokens.clone()
+    other[:, 12:] = 5
+    assert torch.allclose(model(tokens, mask)[:, :12], model(other, mask)[:, :12], atol=1e-5)
+
+
+def test_unknown_model_is_one_clear_line():
+    with pytest.raises(ValueError, match=r"model: got 'resnet51'; allowed: resnet18, .*bert_large"):
+        build_model("resnet51")
+    assert "efficientnet_b7" in MODEL_NAMES

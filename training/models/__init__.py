@@ -1,0 +1,28 @@
+"""Models written in plain torch (no torchvision), looked up by name."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from training.models.bert import BERT_SIZES, bert
+from training.models.efficientnet import SCALINGS, efficientnet
+from training.models.resnet import RESNET_DEPTHS, resnet
+
+IMAGE_MODELS = (*RESNET_DEPTHS, *SCALINGS)
+MASKED_LM_MODELS = tuple(BERT_SIZES)
+MODEL_NAMES = IMAGE_MODELS + MASKED_LM_MODELS
+
+
+def build_model(name: str, num_classes: int = 1000) -> nn.Module:
+    """An image classifier (``num_classes`` outputs) or a masked-LM encoder, by name."""
+    if name in RESNET_DEPTHS:
+        return resnet(name, num_classes)
+    if name in SCALINGS:
+        return efficientnet(name, num_classes)
+    if name in BERT_SIZES:
+        return bert(name)
+    raise ValueError(f"model: got {name!r}; allowed: {', '.join(MODEL_NAMES)}")
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
