@@ -6,6 +6,7 @@ import pytest
 from aws_cdk import Acknowledgment, App, Stack, Validations, aws_ec2 as ec2
 
 from stacks.platform import add_policy_checks
+from tests.conftest import VARIANTS
 
 
 def _open_security_group_app(tmp_path, acknowledge: bool) -> App:
@@ -52,8 +53,6 @@ REVIEWED_ACKNOWLEDGEMENTS = {
 
 
 def test_platform_acknowledges_only_reviewed_findings_each_with_a_reason(synth):
-    from tests.conftest import VARIANTS
-
     app = synth(VARIANTS["example"]).platform.network.node.scope
     found = {}
     for construct in app.node.find_all():

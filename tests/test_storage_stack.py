@@ -8,7 +8,7 @@ import json
 import pytest
 from aws_cdk.assertions import Match
 
-from tests.conftest import VARIANTS
+from tests.conftest import VARIANTS, config_variant
 
 FSX = "AWS::FSx::FileSystem"
 DRA = "AWS::FSx::DataRepositoryAssociation"
@@ -118,8 +118,6 @@ def test_data_and_checkpoints_sync_both_ways_with_s3(synth, variant):
 
 
 def test_prefixes_come_from_config(synth):
-    from tests.conftest import config_variant
-
     result = synth(config_variant(**{"fsx.data_prefix": "data/imagenet/", "fsx.checkpoint_prefix": "runs/ckpt/"}))
     paths = sorted(d["Properties"]["FileSystemPath"] for d in storage(result).find_resources(DRA).values())
     assert paths == ["/data/imagenet", "/runs/ckpt"]
