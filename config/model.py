@@ -12,9 +12,10 @@ import re
 from enum import Enum
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from config.catalog import CATALOG, InstanceType, accelerated_types, cpu_types, lookup
+from typed_config import FieldProblem, StrictModel
 
 # Kubernetes minor versions for which EKS and a pinned kubectl Lambda layer both exist.
 SUPPORTED_KUBERNETES_VERSIONS = ("1.31", "1.32", "1.33", "1.34", "1.35")
@@ -30,17 +31,6 @@ LOG_RETENTION_DAYS = (
 )
 
 
-class FieldProblem(ValueError):
-    """A rule broken by one field. ``field`` is relative to the model that raised it."""
-
-    def __init__(self, field: str, value: Any, allowed: str, reason: str | None = None):
-        self.field = field
-        self.value = value
-        self.allowed = allowed
-        self.reason = reason
-        super().__init__(reason or f"{value!r} is not allowed")
-
-
 def _log_retention(days: int) -> int:
     if days not in LOG_RETENTION_DAYS:
         raise FieldProblem("", days, ", ".join(map(str, LOG_RETENTION_DAYS)), "not a CloudWatch Logs retention")
@@ -48,10 +38,6 @@ def _log_retention(days: int) -> int:
 
 
 RetentionDays = Annotated[int, AfterValidator(_log_retention)]
-
-
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,19}$")]

@@ -16,6 +16,7 @@ from aws_cdk.assertions import Template
 from config import PlatformConfig, parse_config
 from stacks import build_platform
 from stacks.app_factory import cli_context
+from training.local_cluster import LocalEtcd
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "config" / "example.yaml"
@@ -96,53 +97,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def etcd_server(tmp_path):
-    """A real etcd (Debian's etcd-server) on loopback with the v2 API, as torchrun's etcd-v2 backend needs.
+def etcd_server():
+    """A real etcd on loopback with the v2 API, as torchrun's etcd-v2 backend needs."""
+    with LocalEtcd() as endpoint:
+        yield endpoint
 
-    Explicit peer URLs keep two instances from colliding on the default 2380.
-    """
-    import shutil
-    import subprocess
-    import time
-    import urllib.request
 
-    binary = shutil.which("etcd")
-    assert binary, "etcd is missing: `make test` installs Debian's etcd-server"
-    client, peer = _free_port(), _free_port()
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--name=test",
-            f"--data-dir={tmp_path / 'etcd'}",
-            "--enable-v2=true",
-            f"--listen-client-urls=http://127.0.0.1:{client}",
-            f"--advertise-client-urls=http://127.0.0.1:{client}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-cluster=test=http://127.0.0.1:{peer}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{client}/version", timeout=1).read()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"etcd did not start: {proc.stderr.read().decode()[-2000:]}") from None
-            time.sleep(0.1)
-    yield f"127.0.0.1:{client}"
-    proc.terminate()
-    proc.wait(timeout=10)
+@pytest.fixture(scope="module")
+def etcd_module():
+    """One etcd for a module's tests; each job uses its own rendezvous id."""
+    with LocalEtcd() as endpoint:
+        yield endpoint

@@ -54,10 +54,10 @@ def test_trainer_never_imports_cdk():
 
 
 def _field_paths(model, prefix=""):
-    from config.loader import _unwrap_model
+    from typed_config import unwrap_model
 
     for name, field in model.model_fields.items():
-        nested = _unwrap_model(field.annotation)
+        nested = unwrap_model(field.annotation)
         yield prefix + name
         if nested is not None:
             yield from _field_paths(nested, f"{prefix}{name}.")
@@ -70,3 +70,12 @@ def test_readme_config_reference_covers_every_field():
     reference = readme[readme.index("## Config reference") : readme.index("### Instance catalog")]
     missing = [path for path in _field_paths(PlatformConfig) if f"`{path.rsplit('.', 1)[-1]}`" not in reference]
     assert missing == []
+
+
+def test_readme_trainer_config_reference_covers_every_field():
+    from training.config import TrainConfig
+
+    readme = (REPO / "README.md").read_text()
+    reference = readme[readme.index("### Trainer config reference") : readme.index("### Trainer images")]
+    nested = [path for path in _field_paths(TrainConfig) if "." in path]
+    assert nested and [path for path in nested if f"`{path}`" not in reference] == []

@@ -1,0 +1,48 @@
+"""The trainer images: pinned bases, the same pins as the tests use, no CDK inside."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import REPO
+
+DOCKER = REPO / "training" / "docker"
+PINS = dict(
+    line.split("==") for line in (REPO / "training/requirements.txt").read_text().splitlines()
+    if "==" in line and not line.startswith("#")
+)
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.gpu", "Dockerfile.neuron"])
+def test_base_images_are_pinned_to_a_version(name):
+    text = (DOCKER / name).read_text()
+    bases = re.findall(r"^ARG \w+_BASE=(\S+)$", text, re.MULTILINE)
+    assert bases and all(re.search(r":\d[\w.-]*$|@sha256:[0-9a-f]{64}$", b) and "latest" not in b for b in bases)
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.gpu", "Dockerfile.neuron"])
+def test_images_install_the_pinned_trainer_requirements_and_only_the_trainer(name):
+    text = (DOCKER / name).read_text()
+    assert "training/requirements.txt" in text
+    copied = re.findall(r"^COPY (\S+)", text, re.MULTILINE)
+    assert set(copied) == {"training/requirements.txt", "typed_config/", "training/"}
+
+
+def test_rendezvous_client_pins_are_exact():
+    assert PINS["python-etcd"] == "0.4.5" and PINS["dnspython"] and PINS["urllib3"].startswith("2.5.")
+
+
+def test_the_gpu_image_carries_efa_and_runs_as_a_user():
+    text = (DOCKER / "Dockerfile.gpu").read_text()
+    assert re.search(r"^ARG EFA_INSTALLER_VERSION=\d+\.\d+\.\d+$", text, re.MULTILINE)
+    assert "--skip-kmod" in text and "ofi-nccl" in text
+    assert re.search(r"^USER 1000$", text, re.MULTILINE)
+
+
+def test_the_rendezvous_client_really_imports_with_these_pins():
+    import dns.resolver  # noqa: F401 - python-etcd's dependency
+    import etcd
+
+    assert etcd.Client  # exercised against a real etcd in test_etcd_rendezvous_store.py

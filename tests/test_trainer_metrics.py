@@ -1,0 +1,78 @@
+"""What rank 0 reports: JSON lines with throughput, data wait, memory, world size; MFU; TensorBoard."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from training.config import load_train_config
+from training.trainer import Trainer, learning_rate
+
+STEP_FIELDS = {
+    "step", "epoch", "loss", "lr", "samples_per_s", "samples_per_s_per_device", "step_time_s", "data_wait_pct",
+    "peak_memory_gib", "world_size", "restart_count", "mfu",
+}
+
+
+def small_run(tmp_path, *extra: str):
+    return load_train_config(None, [
+        "--model.name=mlp", "--model.image_size=16", "--model.num_classes=4", "--data.synthetic_samples=256",
+        "--data.num_workers=1", "--train.global_batch_size=32", "--train.micro_batch_size=16",
+        "--train.max_steps=8", "--train.log_every_steps=4", "--train.precision=bf16", "--train.device=cpu",
+        f"--checkpoint.dir={tmp_path}/checkpoints", f"--metrics.jsonl_path={tmp_path}/metrics.jsonl", *extra,
+    ])
+
+
+def test_step_lines_carry_every_metric_and_events_say_what_happened(tmp_path):
+    result = Trainer(small_run(tmp_path, f"--metrics.tensorboard_dir={tmp_path}/tb")).run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["event"] for r in records]
+    assert kinds[:2] == ["rendezvous", "start"] and kinds[-1] == "finished"
+    steps = [r for r in records if r["event"] == "step"]
+    assert [s["step"] for s in steps] == [4, 8]
+    assert set(steps[0]) == STEP_FIELDS | {"event", "time"}
+    assert steps[0]["world_size"] == 1 and steps[0]["samples_per_s"] > 0 and 0 <= steps[0]["data_wait_pct"] <= 100
+    assert steps[0]["mfu"] is None  # no published peak for a CPU
+    assert result.step == 8 and list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_a_restart_resumes_and_says_from_which_checkpoint(tmp_path):
+    Trainer(small_run(tmp_path)).run()
+    Trainer(small_run(tmp_path, "--train.max_steps=12")).run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    resume = next(r for r in records if r["event"] == "resume")
+    assert resume["step"] == 8 and resume["checkpoint"].endswith("step-000000008.pt")
+    assert [r["step"] for r in records if r["event"] == "step"][-1] == 12
+
+
+def test_mfu_uses_the_counted_flops_and_the_device_peak(tmp_path, monkeypatch):
+    trainer = Trainer(small_run(tmp_path))
+    flops = trainer._count_flops()
+    # mlp, per sample: forward 2*in*out per layer; backward computes weight gradients for both
+    # layers but an input gradient only for the second (the images need none).
+    first, second = 2 * (3 * 16 * 16) * 256, 2 * 256 * 4
+    assert flops == 2 * first + 3 * second
+    trainer.runtime.peak_flops = 1e12
+    trainer.run()
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if '"step"' in line and '"event": "step"' in line]
+    assert steps[-1]["mfu"] == pytest.approx(steps[-1]["samples_per_s"] * flops / 1e12, rel=0.02)
+
+
+def test_the_schedule_warms_up_then_decays_by_sample_position():
+    config = load_train_config(None, ["--optim.lr=1.0", "--optim.warmup_steps=10"])
+    assert learning_rate(config, 0.05, 100, 1.0) == pytest.approx(0.5)
+    assert learning_rate(config, 0.1, 100, 1.0) == pytest.approx(1.0)
+    assert learning_rate(config, 1.0, 100, 1.0) == pytest.approx(0.0, abs=1e-9)
+    assert learning_rate(config, 0.1, 100, 0.25) == pytest.approx(0.25)  # scale_lr applies on top
+
+
+def test_scale_lr_runs_one_micro_batch_per_device_and_logs_the_scaled_rate(tmp_path):
+    trainer = Trainer(small_run(tmp_path, "--train.batch_policy=scale_lr", "--train.global_batch_size=64",
+                                "--optim.schedule=constant"))
+    assert (trainer.layout.accumulation, trainer.global_batch, trainer.lr_scale) == (1, 16, 0.25)
+    trainer.run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["lr_scale"] == 0.25
+    assert {r["lr"] for r in records if r["event"] == "step"} == {0.1 * 0.25}

