@@ -87,3 +87,13 @@ def test_a_missing_config_file_is_one_line(tmp_path):
 def test_config_is_frozen():
     with pytest.raises(Exception):
         TrainConfig().train.epochs = 3  # type: ignore[misc]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_asking_for_a_missing_device_is_one_line():
+    result = subprocess.run([sys.executable, "-m", "training", "train", "--train.device=cuda"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        'error: train.device: got "cuda" but torch sees no CUDA device; allowed here: auto, cpu'
+    )

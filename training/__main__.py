@@ -52,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 def _user_errors() -> tuple[type[Exception], ...]:
     from training.allreduce import TransportError
     from training.data import DataError
+    from training.device import DeviceError
     from training.imagenet import PrepareError
 
-    return (DataError, PrepareError, TransportError)
+    return (DataError, DeviceError, PrepareError, TransportError)
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:

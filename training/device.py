@@ -21,6 +21,10 @@ PEAK_FLOPS = {
 }
 
 
+class DeviceError(Exception):
+    """The configured device is not on this machine."""
+
+
 @dataclass
 class Runtime:
     """What the training loop needs to know about where it runs."""
@@ -66,13 +70,14 @@ def detect(requested: str = "auto") -> Runtime:
         peak = next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
         return Runtime("cuda", torch.device("cuda", local_rank), "nccl", name, peak)
     if requested == "cuda":
-        raise RuntimeError("train.device: got 'cuda' but torch sees no CUDA device; allowed here: auto, cpu")
+        raise DeviceError("train.device: got \"cuda\" but torch sees no CUDA device; allowed here: auto, cpu")
     if requested in ("auto", "neuron"):
         neuron = _neuron_runtime()
         if neuron is not None:
             return neuron
         if requested == "neuron":
-            raise RuntimeError("train.device: got 'neuron' but torch_xla (torch-neuronx) is not installed")
+            raise DeviceError("train.device: got \"neuron\" but torch_xla (torch-neuronx) is not installed; "
+                              "allowed here: auto, cpu")
     return Runtime("cpu", torch.device("cpu"), "gloo", "cpu", None)
 
 
