@@ -12,6 +12,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= config/example.yaml
 OUT ?= cdk.out
+DIST ?= dist
+JOBS ?= $(wildcard k8s_charts/examples/*.yaml)
 
 # Offline and quiet: no telemetry, no instance-metadata credential probing, the pinned
 # Node from node_modules for both the CDK CLI and jsii.
@@ -34,6 +36,7 @@ synth: setup-deploy
 	cdk synth --quiet --output $(OUT).staging -c config=$(CONFIG)
 	rm -rf $(OUT) && mv $(OUT).staging $(OUT)
 	@echo "CloudFormation templates: $$(ls $(OUT)/*.template.json | tr '\n' ' ')"
+	$(PY) -m k8s_charts --config $(CONFIG) $(foreach job,$(JOBS),--job $(job)) --out $(DIST)
 
 test: setup-test
 	$(PY) -m pytest
@@ -79,4 +82,4 @@ lock: $(TEST_STAMP)
 	  $(PY) -m pip freeze --exclude-editable | grep -viE '^(torch)==' | sort -f; } > constraints.txt
 
 clean:
-	rm -rf $(OUT) dist .pytest_cache
+	rm -rf $(OUT) $(DIST) .pytest_cache

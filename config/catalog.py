@@ -25,6 +25,10 @@ AMI_NEURON = "AL2023_x86_64_NEURON"
 NVIDIA_GPU_RESOURCE = "nvidia.com/gpu"
 NEURON_DEVICE_RESOURCE = "aws.amazon.com/neuron"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
+# Applied by the cluster to every node group; platform pods and jobs select on it.
+NODE_ROLE_LABEL = "training-platform/node-role"
+SYSTEM_ROLE, ACCELERATED_ROLE = "system", "accelerated"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 
 _AMI_BY_ACCELERATOR = {
     Accelerator.NONE: AMI_STANDARD,

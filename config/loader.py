@@ -16,6 +16,7 @@ _PATTERN_HELP = {
     r"^\d{12}$": "a 12-digit AWS account id, quoted, e.g. '123456789012'",
     r"^[a-z]{2}(-[a-z]+)+-\d$": "an AWS region name, e.g. us-west-2",
     r"^v?\d+\.\d+\.\d+$": "an exact version, e.g. 1.2.3",
+    r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$": "a Kubernetes name: lowercase letters, digits and '-', at most 63",
 }
 
 

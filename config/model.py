@@ -317,6 +317,45 @@ class VersionsConfig(StrictModel):
         return v
 
 
+K8sName = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
+
+
+class QueueConfig(StrictModel):
+    """The Volcano queue training jobs are submitted to."""
+
+    name: K8sName = "training"
+    weight: int = Field(default=1, ge=1, le=65535)
+    # Jobs of this queue may be preempted when another queue reclaims its share.
+    reclaimable: bool = False
+
+
+class PriorityClassConfig(StrictModel):
+    """The PriorityClass training pods run with."""
+
+    name: K8sName = "training"
+    value: int = Field(default=1000, ge=0, le=1_000_000_000)
+
+
+class EtcdConfig(StrictModel):
+    """The rendezvous store for torchrun's etcd-v2 backend."""
+
+    # None: an emptyDir (rendezvous state expires by itself). A size: a PersistentVolumeClaim.
+    persistent_volume_gib: int | None = Field(default=None, ge=1, le=100)
+    storage_class: K8sName = "gp3"
+
+
+class JobsConfig(StrictModel):
+    """Where and how training jobs run in the cluster."""
+
+    namespace: K8sName = "training"
+    platform_namespace: K8sName = "training-platform"
+    queue: QueueConfig = QueueConfig()
+    priority_class: PriorityClassConfig = PriorityClassConfig()
+    etcd: EtcdConfig = EtcdConfig()
+    # Finished Volcano jobs and their pods are deleted after this many seconds.
+    ttl_seconds_after_finished: int = Field(default=86_400, ge=0)
+
+
 class PlatformConfig(StrictModel):
     """Everything one platform deployment needs."""
 
@@ -334,6 +373,7 @@ class PlatformConfig(StrictModel):
     ecr: EcrConfig = EcrConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
     versions: VersionsConfig = VersionsConfig()
+    jobs: JobsConfig = JobsConfig()
     tags: dict[Annotated[str, Field(min_length=1, max_length=128)], Annotated[str, Field(max_length=256)]] = {}
 
     @field_validator("compute_az", "control_plane_az")

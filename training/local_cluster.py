@@ -27,20 +27,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def etcd_arguments(name: str, data_dir: str, host: str, client_port: int, peer_port: int) -> list[str]:
+def etcd_arguments(name: str, data_dir: str, client_port: int, peer_port: int, listen_host: str = "127.0.0.1",
+                   client_host: str | None = None, peer_host: str | None = None) -> list[str]:
     """A single-member etcd that serves the v2 API torchrun's etcd-v2 backend needs.
 
-    Explicit peer URLs: two instances on one host would otherwise both take 2380.
+    It listens on ``listen_host`` and advertises ``client_host`` to clients (a Service name in
+    the cluster). Explicit peer URLs: two instances on one host would otherwise both take 2380.
     """
+    client_host = client_host or listen_host
+    peer_host = peer_host or listen_host
     return [
         f"--name={name}",
         f"--data-dir={data_dir}",
         "--enable-v2=true",
-        f"--listen-client-urls=http://{host}:{client_port}",
-        f"--advertise-client-urls=http://{host}:{client_port}",
-        f"--listen-peer-urls=http://{host}:{peer_port}",
-        f"--initial-advertise-peer-urls=http://{host}:{peer_port}",
-        f"--initial-cluster={name}=http://{host}:{peer_port}",
+        f"--listen-client-urls=http://{listen_host}:{client_port}",
+        f"--advertise-client-urls=http://{client_host}:{client_port}",
+        f"--listen-peer-urls=http://{listen_host}:{peer_port}",
+        f"--initial-advertise-peer-urls=http://{peer_host}:{peer_port}",
+        f"--initial-cluster={name}=http://{peer_host}:{peer_port}",
     ]
 
 
@@ -60,14 +64,16 @@ def etcd_binary() -> str:
 class LocalEtcd:
     """``with LocalEtcd() as endpoint:`` a throwaway etcd on loopback; ``endpoint`` is host:port."""
 
-    def __init__(self, arguments: list[str] | None = None):
+    def __init__(self, arguments: list[str] | None = None, client_port: int | None = None):
+        """``arguments`` replace the defaults (then ``client_port`` says where they listen)."""
         self._extra = arguments
         self._dir = tempfile.TemporaryDirectory(prefix="etcd-")
-        self.client_port = free_port()
+        self.data_dir = self._dir.name
+        self.client_port = client_port or free_port()
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> str:
-        args = self._extra or etcd_arguments("local", self._dir.name, "127.0.0.1", self.client_port, free_port())
+        args = self._extra or etcd_arguments("local", self._dir.name, self.client_port, free_port())
         self.proc = subprocess.Popen([etcd_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 20
         while True:

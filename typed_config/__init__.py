@@ -81,10 +81,11 @@ def read_yaml_mapping(path: str | Path, missing_hint: str) -> dict[str, Any]:
     return data
 
 
-def validate(root: type[Model], data: dict[str, Any], source: str, pattern_help: dict[str, str] | None = None) -> Model:
+def validate(root: type[Model], data: dict[str, Any], source: str, pattern_help: dict[str, str] | None = None,
+             context: dict[str, Any] | None = None) -> Model:
     """``root.model_validate(data)``, with every mistake turned into one line of a :class:`ConfigError`."""
     try:
-        return root.model_validate(data)
+        return root.model_validate(data, context=context)
     except ValidationError as exc:
         raise ConfigError(source, format_errors(exc, root, pattern_help or {})) from None
 

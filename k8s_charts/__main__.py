@@ -1,0 +1,62 @@
+"""Render the platform's and a job's manifests into dist/: ``python -m k8s_charts --config ... --job ...``.
+
+The FSx volume needs the storage stack's values. Pass the outputs file that
+``cdk deploy --outputs-file cdk-outputs.json`` writes; without it the storage manifest is
+left out (it would otherwise hold values typed by hand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cdk8s import App
+
+from config import DEFAULT_CONFIG, load_config
+from k8s_charts.render import render_job, render_platform, volume_from_outputs
+from typed_config import ConfigError, exit_on_config_error
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m k8s_charts", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument("--job", action="append", default=[], help="job spec YAML (repeatable)")
+    parser.add_argument("--outputs", help="cdk deploy --outputs-file JSON, for the FSx volume")
+    parser.add_argument("--image", help="trainer image for the data preparation job (default: the first job's)")
+    parser.add_argument("--out", default="dist")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+        volume = volume_from_outputs(json.loads(Path(args.outputs).read_text()), config) if args.outputs else None
+        app = App(outdir=args.out, output_file_extension=".yaml")
+        render_platform(app, config, volume)
+        from k8s_charts.job_spec import load_job_spec
+
+        specs = [load_job_spec(path, config) for path in args.job]
+        for spec in specs:
+            render_job(app, config, spec)
+        image = args.image or (specs[0].image if specs else None)
+        if image:
+            from k8s_charts.job_charts import DataPrepChart
+
+            DataPrepChart(app, "prepare-imagenet", config, image)
+    except ConfigError as exc:
+        exit_on_config_error(exc)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    for stale in out.glob("*.yaml"):
+        stale.unlink()
+    app.synth()
+    print(f"manifests: {' '.join(sorted(str(p) for p in out.glob('*.yaml')))}")
+    if volume is None:
+        print("note: no --outputs given, so no FSx PersistentVolume was rendered; pass the storage stack's "
+              "outputs (cdk deploy --outputs-file) to render it")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The typed job spec: what a user writes to run a training job; the charts and the CLI both read it.
+
+It is checked against the platform config and the instance catalog before anything is
+rendered: a node group the platform does not define, more accelerators or EFA than the type
+has, or min > max nodes each give one line naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, ValidationInfo, model_validator
+
+from config import AcceleratedNodeGroupConfig, PlatformConfig
+from typed_config import FieldProblem, StrictModel, read_yaml_mapping, validate
+
+FSX_MOUNT = "/fsx"
+# Pod names are <job>-<task>-<index>; leave room for both within 63 characters.
+JobName = Annotated[str, Field(pattern=r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")]
+_PATTERN_HELP = {
+    r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$": "lowercase letters, digits and '-', starting with a letter, at most 40",
+}
+_IMAGE = re.compile(r"^[\w.-]+(:\d+)?(/[\w.-]+)+(:[\w][\w.-]{0,127}|@sha256:[0-9a-f]{64})$")
+
+
+class JobSpec(StrictModel):
+    """One elastic training job. Validate with :func:`load_job_spec` (it needs the platform config)."""
+
+    name: JobName
+    image: str
+    node_group: str
+    min_nodes: int = Field(default=1, ge=1)
+    max_nodes: int = Field(default=1, ge=1)
+    # None: every accelerator of the instance type (the catalog's count).
+    accelerators_per_node: int | None = Field(default=None, ge=1)
+    # None: EFA wherever the node group has it.
+    efa: bool | None = None
+    # Trainer config overrides, e.g. {"model.name": "resnet50", "train.epochs": 90}.
+    trainer_args: dict[str, Any] = {}
+    trainer_config: str | None = None  # a trainer YAML inside the image or on /fsx
+    dataset_path: str | None = None
+    checkpoint_path: str | None = None  # default /fsx/checkpoints/<name>
+    max_restarts: int = Field(default=100, ge=0)
+    queue: str | None = None  # default: the platform's queue
+    priority_class: str | None = None  # default: the platform's PriorityClass
+    env: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _consistent(self, info: ValidationInfo):
+        if not _IMAGE.match(self.image) or self.image.endswith(":latest"):
+            raise FieldProblem("image", self.image, "an image pinned by tag or digest, e.g. "
+                               "123456789012.dkr.ecr.us-west-2.amazonaws.com/trainer:gpu-0.1.0 (not :latest)")
+        if self.min_nodes > self.max_nodes:
+            raise FieldProblem("min_nodes", self.min_nodes, f"at most max_nodes ({self.max_nodes})")
+        for field in ("dataset_path", "checkpoint_path"):
+            value = getattr(self, field)
+            if value is not None and not (value == FSX_MOUNT or value.startswith(f"{FSX_MOUNT}/")) or (
+                value and ".." in value.split("/")
+            ):
+                raise FieldProblem(field, value, f"an absolute path on the shared file system, under {FSX_MOUNT}/")
+        config: PlatformConfig | None = (info.context or {}).get("platform")
+        if config is not None:
+            self._check_against(config)
+        return self
+
+    def _check_against(self, config: PlatformConfig) -> None:
+        groups = {g.name: g for g in config.accelerated_node_groups}
+        if self.node_group not in groups:
+            raise FieldProblem("node_group", self.node_group, ", ".join(groups), "not a node group of this platform")
+        group = groups[self.node_group]
+        instance = group.instance
+        if self.max_nodes > group.max_size:
+            raise FieldProblem("max_nodes", self.max_nodes, f"at most {group.max_size}, the node group's max_size")
+        if self.accelerators_per_node is not None and self.accelerators_per_node > instance.accelerator_count:
+            raise FieldProblem("accelerators_per_node", self.accelerators_per_node,
+                               f"1 to {instance.accelerator_count}",
+                               f"{instance.name} has {instance.accelerator_count} {instance.accelerator_model}")
+        if self.efa and not instance.supports_efa:
+            raise FieldProblem("efa", True, "false or null", f"{instance.name} has no EFA interfaces")
+        if self.efa and not group.efa_enabled:
+            raise FieldProblem("efa", True, "false or null", f"node group {group.name} is configured without EFA")
+
+    # --- derived from the catalog ------------------------------------------------------------
+
+    def group(self, config: PlatformConfig) -> AcceleratedNodeGroupConfig:
+        return next(g for g in config.accelerated_node_groups if g.name == self.node_group)
+
+    def accelerators(self, config: PlatformConfig) -> int:
+        return self.accelerators_per_node or self.group(config).instance.accelerator_count
+
+    def nproc_per_node(self, config: PlatformConfig) -> int:
+        """One worker per GPU, or per NeuronCore (the catalog's cores per device)."""
+        instance = self.group(config).instance
+        return instance.nproc_per_node * self.accelerators(config) // instance.accelerator_count
+
+    def efa_devices(self, config: PlatformConfig) -> int:
+        group = self.group(config)
+        enabled = group.efa_enabled if self.efa is None else self.efa
+        if not enabled:
+            return 0
+        # A share of the node's interfaces in proportion to its accelerators; all of them for a whole node.
+        return max(1, group.instance.efa_interfaces * self.accelerators(config) // group.instance.accelerator_count)
+
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint_path or f"{FSX_MOUNT}/checkpoints/{self.name}"
+
+
+def parse_job_spec(data: dict[str, Any], config: PlatformConfig, source: str = "job") -> JobSpec:
+    """Validate a job spec mapping against the platform config. Raises ConfigError."""
+    return validate(JobSpec, data, source, _PATTERN_HELP, context={"platform": config})
+
+
+def load_job_spec(path: str | Path, config: PlatformConfig) -> JobSpec:
+    """Read and validate a job spec file against the platform config. Raises ConfigError."""
+    data = read_yaml_mapping(path, "pass an existing job spec YAML, e.g. k8s_charts/examples/resnet50-p4d.yaml")
+    return parse_job_spec(data, config, str(path))

@@ -1,0 +1,166 @@
+"""Charts deployed with the platform: etcd for rendezvous, the Volcano queue and priority, the FSx volume."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cdk8s import Chart
+from constructs import Construct
+
+from config import PlatformConfig
+from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE
+from k8s_charts.job_spec import FSX_MOUNT
+from k8s_charts.objects import k8s_object
+from training.launch import ETCD_CLIENT_PORT, ETCD_PEER_PORT
+from training.local_cluster import etcd_arguments
+
+ETCD_NAME = "etcd"
+FSX_CLAIM = "fsx"
+FSX_CSI_DRIVER = "fsx.csi.aws.com"
+ETCD_DATA_DIR = "/var/lib/etcd"
+
+
+def etcd_endpoint(config: PlatformConfig) -> str:
+    """The stable in-cluster address torchrun's --rdzv-endpoint points at."""
+    return f"{ETCD_NAME}.{config.jobs.platform_namespace}.svc.cluster.local:{ETCD_CLIENT_PORT}"
+
+
+def system_node_selector() -> dict[str, str]:
+    return {NODE_ROLE_LABEL: SYSTEM_ROLE}
+
+
+def _metadata(name: str, namespace: str | None = None, **labels: str) -> dict:
+    metadata = {"name": name, "labels": {"app.kubernetes.io/part-of": "training-platform", **labels}}
+    if namespace:
+        metadata["namespace"] = namespace
+    return metadata
+
+
+class NamespacesChart(Chart):
+    """The platform's namespace (etcd) and the jobs' namespace."""
+
+    def __init__(self, scope: Construct, id: str, config: PlatformConfig):
+        super().__init__(scope, id)
+        for namespace in (config.jobs.platform_namespace, config.jobs.namespace):
+            k8s_object(self, namespace, api_version="v1", kind="Namespace", metadata=_metadata(namespace))
+
+
+class EtcdChart(Chart):
+    """One etcd 3.5 member with the v2 API, the rendezvous store of every job.
+
+    Losing it (node failure, eviction) interrupts only rendezvous: running jobs keep training,
+    and the next membership change waits until etcd is back (seconds, a new pod). State in
+    etcd is per round and expires by itself, so an emptyDir is enough; set
+    ``jobs.etcd.persistent_volume_gib`` to keep it across pod restarts anyway.
+    """
+
+    def __init__(self, scope: Construct, id: str, config: PlatformConfig):
+        super().__init__(scope, id, namespace=config.jobs.platform_namespace)
+        namespace = config.jobs.platform_namespace
+        labels = {"app.kubernetes.io/name": ETCD_NAME}
+        # Listen on every interface; clients only ever use the Service name.
+        args = etcd_arguments(ETCD_NAME, ETCD_DATA_DIR, ETCD_CLIENT_PORT, ETCD_PEER_PORT, listen_host="0.0.0.0",
+                              client_host=f"{ETCD_NAME}.{namespace}.svc.cluster.local", peer_host="127.0.0.1")
+        etcd = config.jobs.etcd
+        volume = ({"name": "data", "persistentVolumeClaim": {"claimName": f"{ETCD_NAME}-data"}}
+                  if etcd.persistent_volume_gib else {"name": "data", "emptyDir": {}})
+        if etcd.persistent_volume_gib:
+            k8s_object(self, "data", api_version="v1", kind="PersistentVolumeClaim",
+                      metadata=_metadata(f"{ETCD_NAME}-data", namespace, **labels),
+                      spec={"accessModes": ["ReadWriteOnce"], "storageClassName": etcd.storage_class,
+                            "resources": {"requests": {"storage": f"{etcd.persistent_volume_gib}Gi"}}})
+        probe = {"httpGet": {"path": "/health", "port": ETCD_CLIENT_PORT}, "periodSeconds": 5, "timeoutSeconds": 2}
+        k8s_object(self, "deployment", api_version="apps/v1", kind="Deployment",
+                  metadata=_metadata(ETCD_NAME, namespace, **labels),
+                  spec={
+                      "replicas": 1,
+                      # One member at a time: two would be two separate clusters.
+                      "strategy": {"type": "Recreate"},
+                      "selector": {"matchLabels": labels},
+                      "template": {
+                          "metadata": {"labels": {**labels, "app.kubernetes.io/part-of": "training-platform"}},
+                          "spec": {
+                              "nodeSelector": system_node_selector(),
+                              "priorityClassName": "system-cluster-critical",
+                              "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "fsGroup": 65532,
+                                                  "seccompProfile": {"type": "RuntimeDefault"}},
+                              "containers": [{
+                                  "name": ETCD_NAME,
+                                  "image": config.versions.etcd_image,
+                                  "command": ["etcd"],
+                                  "args": args,
+                                  "ports": [{"name": "client", "containerPort": ETCD_CLIENT_PORT},
+                                            {"name": "peer", "containerPort": ETCD_PEER_PORT}],
+                                  "readinessProbe": {**probe, "initialDelaySeconds": 2},
+                                  "livenessProbe": {**probe, "initialDelaySeconds": 15, "failureThreshold": 6},
+                                  "resources": {"requests": {"cpu": "250m", "memory": "256Mi"},
+                                                "limits": {"memory": "1Gi"}},
+                                  "securityContext": {"allowPrivilegeEscalation": False,
+                                                      "readOnlyRootFilesystem": True,
+                                                      "capabilities": {"drop": ["ALL"]}},
+                                  "volumeMounts": [{"name": "data", "mountPath": ETCD_DATA_DIR}],
+                              }],
+                              "volumes": [volume],
+                          },
+                      },
+                  })
+        k8s_object(self, "service", api_version="v1", kind="Service",
+                  metadata=_metadata(ETCD_NAME, namespace, **labels),
+                  spec={"selector": labels,
+                        "ports": [{"name": "client", "port": ETCD_CLIENT_PORT, "targetPort": ETCD_CLIENT_PORT}]})
+
+
+class SchedulingChart(Chart):
+    """The Volcano queue jobs go to, and the PriorityClass their pods run with."""
+
+    def __init__(self, scope: Construct, id: str, config: PlatformConfig):
+        super().__init__(scope, id)
+        queue, priority = config.jobs.queue, config.jobs.priority_class
+        k8s_object(self, "queue", api_version="scheduling.volcano.sh/v1beta1", kind="Queue",
+                  metadata=_metadata(queue.name),
+                  spec={"weight": queue.weight, "reclaimable": queue.reclaimable})
+        k8s_object(self, "priority", api_version="scheduling.k8s.io/v1", kind="PriorityClass",
+                  metadata=_metadata(priority.name), value=priority.value, globalDefault=False,
+                  preemptionPolicy="PreemptLowerPriority",
+                  description="Training jobs of the platform's queue")
+
+
+@dataclass(frozen=True)
+class LustreVolumeValues:
+    """What the static PersistentVolume needs; from the storage stack (tokens or its outputs)."""
+
+    file_system_id: str
+    dns_name: str
+    mount_name: str
+    capacity_gib: int
+
+
+class StorageChart(Chart):
+    """A static PersistentVolume bound to the platform's own FSx for Lustre file system, and its claim."""
+
+    def __init__(self, scope: Construct, id: str, config: PlatformConfig, volume: LustreVolumeValues):
+        super().__init__(scope, id)
+        namespace = config.jobs.namespace
+        pv_name = f"{config.name_prefix}-fsx"
+        capacity = f"{volume.capacity_gib}Gi"
+        k8s_object(self, "volume", api_version="v1", kind="PersistentVolume",
+                  metadata=_metadata(pv_name),
+                  spec={
+                      "capacity": {"storage": capacity},
+                      "volumeMode": "Filesystem",
+                      "accessModes": ["ReadWriteMany"],
+                      # Deleting the claim must never touch the file system.
+                      "persistentVolumeReclaimPolicy": "Retain",
+                      "storageClassName": "",
+                      "mountOptions": ["flock"],
+                      "csi": {"driver": FSX_CSI_DRIVER, "volumeHandle": volume.file_system_id,
+                              "volumeAttributes": {"dnsname": volume.dns_name, "mountname": volume.mount_name}},
+                      "claimRef": {"namespace": namespace, "name": FSX_CLAIM},
+                  })
+        k8s_object(self, "claim", api_version="v1", kind="PersistentVolumeClaim",
+                  metadata=_metadata(FSX_CLAIM, namespace),
+                  spec={"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv_name,
+                        "resources": {"requests": {"storage": capacity}}})
+
+
+__all__ = ["FSX_MOUNT", "EtcdChart", "LustreVolumeValues", "NamespacesChart", "SchedulingChart", "StorageChart"]

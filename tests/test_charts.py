@@ -1,0 +1,312 @@
+"""The cdk8s charts: the job spec's rules, what the manifests say, and that Kubernetes and Volcano accept them."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from cdk8s import App
+
+from config import CATALOG, parse_config
+from config.catalog import accelerated_types
+from k8s_charts.job_charts import DataPrepChart
+from k8s_charts.job_spec import load_job_spec, parse_job_spec
+from k8s_charts.platform_charts import LustreVolumeValues
+from k8s_charts.render import manifests, render_job, render_platform
+from k8s_charts.volcano import SCHEDULER_ACTIONS, helm_values
+from tests.conftest import REPO, example_data
+from typed_config import ConfigError
+
+CRDS = REPO.parent / "shared" / "crds" / "volcano-v1.15.1"
+EXAMPLES = REPO / "k8s_charts" / "examples"
+VOLUME = LustreVolumeValues("fs-0123456789abcdef0", "fs-0123456789abcdef0.fsx.us-west-2.amazonaws.com", "abcdefgh", 1200)
+CONFIG = parse_config(example_data())
+
+
+def render(config=CONFIG, specs=None, volume=VOLUME) -> dict[str, list[dict]]:
+    app = App()
+    render_platform(app, config, volume)
+    specs = specs if specs is not None else [load_job_spec(p, config) for p in sorted(EXAMPLES.glob("*.yaml"))]
+    for spec in specs:
+        render_job(app, config, spec)
+    if specs:
+        DataPrepChart(app, "prepare-imagenet", config, specs[0].image)
+    return manifests(app)
+
+
+def all_objects(rendered) -> list[dict]:
+    return [obj for objects in rendered.values() for obj in objects]
+
+
+def the_job(rendered, name) -> dict:
+    return next(o for o in rendered[name] if o["kind"] == "Job")
+
+
+def container(job) -> dict:
+    return job["spec"]["tasks"][0]["template"]["spec"]["containers"][0]
+
+
+def flag(command: list[str], name: str) -> str:
+    return next(part.split("=", 1)[1] for part in command if part.startswith(f"--{name}="))
+
+
+RENDERED = render()
+
+
+# --- snapshots and schema validation ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(RENDERED))
+def test_manifest_snapshot(name, snapshot):
+    assert yaml.safe_dump_all(RENDERED[name], sort_keys=False) == snapshot
+
+
+BUILT_IN = [o for o in all_objects(RENDERED) if "volcano.sh" not in o["apiVersion"]]
+
+
+@pytest.mark.parametrize("obj", BUILT_IN, ids=lambda o: f"{o['kind']}-{o['metadata']['name']}")
+def test_built_in_kinds_pass_kubernetes_validate_strict(obj):
+    version = f"{CONFIG.cluster.kubernetes_version}.0"
+    kubernetes_validate.validate(obj, version, strict=True)
+
+
+def _crd_schema(path: Path) -> dict:
+    crd = yaml.safe_load(path.read_text())
+    schema = copy.deepcopy(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+    def tighten(node):
+        if isinstance(node, dict):
+            if node.pop("x-kubernetes-int-or-string", False):
+                node.pop("type", None)
+                node["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+            # The API server prunes unknown fields of structural schemas; here they are errors.
+            if node.get("type") == "object" and "properties" in node and not node.get(
+                    "x-kubernetes-preserve-unknown-fields"):
+                node.setdefault("additionalProperties", False)
+            for value in list(node.values()):
+                tighten(value)
+        elif isinstance(node, list):
+            for item in node:
+                tighten(item)
+
+    tighten(schema)
+    schema["properties"]["metadata"] = {"type": "object"}
+    return schema
+
+
+VOLCANO_KINDS = {"Job": "batch.volcano.sh_jobs.yaml", "Queue": "scheduling.volcano.sh_queues.yaml",
+                 "PodGroup": "scheduling.volcano.sh_podgroups.yaml"}
+VOLCANO_OBJECTS = [o for o in all_objects(RENDERED) if "volcano.sh" in o["apiVersion"]]
+
+
+@pytest.mark.skipif(not CRDS.is_dir(), reason=f"Volcano CRD schemas not found at {CRDS}")
+@pytest.mark.parametrize("obj", VOLCANO_OBJECTS, ids=lambda o: f"{o['kind']}-{o['metadata']['name']}")
+def test_volcano_objects_match_the_crd_schemas(obj):
+    jsonschema.validate(obj, _crd_schema(CRDS / VOLCANO_KINDS[obj["kind"]]))
+
+
+@pytest.mark.skipif(not CRDS.is_dir(), reason=f"Volcano CRD schemas not found at {CRDS}")
+def test_the_crd_check_catches_a_misspelt_field():
+    job = copy.deepcopy(the_job(RENDERED, "resnet50-imagenet"))
+    job["spec"]["minAvailabel"] = 2
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(job, _crd_schema(CRDS / VOLCANO_KINDS["Job"]))
+
+
+# --- what the training job says ---------------------------------------------------------------
+
+
+def config_with(instance_type: str):
+    data = example_data()
+    data["accelerated_node_groups"] = [{"name": "g", "instance_type": instance_type, "min_size": 0,
+                                        "desired_size": 0, "max_size": 4}]
+    return parse_config(data)
+
+
+@pytest.mark.parametrize("instance_type", accelerated_types())
+def test_gpus_efa_and_nproc_come_from_the_catalog(instance_type):
+    config = config_with(instance_type)
+    spec = parse_job_spec({"name": "j", "image": "repo.example.com/t:1", "node_group": "g", "max_nodes": 2}, config)
+    job = the_job(render(config, [spec], None), "j")
+    facts = CATALOG[instance_type]
+    c = container(job)
+    assert flag(c["command"], "nproc-per-node") == str(facts.nproc_per_node)
+    assert c["resources"]["limits"][facts.accelerator_resource] == facts.accelerator_count
+    assert c["resources"]["limits"].get("vpc.amazonaws.com/efa", 0) == facts.efa_interfaces
+    assert ("FI_PROVIDER" in {e["name"] for e in c["env"]}) == facts.supports_efa
+    pod = job["spec"]["tasks"][0]["template"]["spec"]
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": instance_type}
+    assert pod["tolerations"][0]["key"] == facts.taint_key
+    assert int(c["resources"]["requests"]["cpu"]) < facts.vcpus  # headroom for the system
+
+
+def test_the_training_job_runs_torchrun_with_the_platform_launch_settings():
+    job = the_job(RENDERED, "resnet50-imagenet")
+    command = container(job)["command"]
+    assert command[:1] == ["torchrun"] and command[command.index("-m") + 1 : command.index("-m") + 3] == [
+        "training", "train"]
+    assert flag(command, "nnodes") == "2:4" and job["spec"]["minAvailable"] == 2
+    assert job["spec"]["tasks"][0]["replicas"] == 4
+    assert flag(command, "rdzv-backend") == "etcd-v2"
+    assert flag(command, "rdzv-endpoint") == "etcd.training-platform.svc.cluster.local:2379"
+    assert flag(command, "rdzv-id") == "$(RDZV_ID)" and flag(command, "local-addr") == "$(POD_IP)"
+    assert "last_call_timeout=1" in flag(command, "rdzv-conf")
+    env = {e["name"]: e for e in container(job)["env"]}
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]["value"] == "1"
+    assert env["RDZV_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['scheduling.k8s.io/group-name']")
+    assert {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}.items() <= {
+        k: v.get("value") for k, v in env.items()}.items()
+    assert flag(command, "checkpoint.dir") == "/fsx/checkpoints/resnet50-imagenet"
+    assert flag(command, "data.path") == "/fsx/datasets/imagenet/train"
+
+
+def test_the_job_is_gang_scheduled_restarted_and_cleaned_up():
+    spec = the_job(RENDERED, "resnet50-imagenet")["spec"]
+    assert spec["schedulerName"] == "volcano" and spec["queue"] == "training"
+    assert spec["plugins"] == {"svc": [], "env": []}
+    assert {(p["event"], p["action"]) for p in spec["policies"]} == {("PodEvicted", "RestartJob"),
+                                                                     ("PodFailed", "RestartJob")}
+    assert spec["ttlSecondsAfterFinished"] == 86400
+    pod = spec["tasks"][0]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["fsx"]["persistentVolumeClaim"]["claimName"] == "fsx"
+
+
+def test_the_nccl_check_requires_efa_on_all_nodes():
+    job = the_job(RENDERED, "resnet50-imagenet-nccl-check")
+    command = container(job)["command"]
+    assert command[command.index("-m") + 2] == "allreduce-bench" and "--require-efa" in command
+    assert job["spec"]["minAvailable"] == 4 and flag(command, "nnodes") == "4:4"
+
+
+def test_trn1_runs_one_worker_per_neuron_core():
+    job = the_job(RENDERED, "bert-large-mlm")
+    c = container(job)
+    assert flag(c["command"], "nproc-per-node") == "32"
+    assert c["resources"]["limits"]["aws.amazon.com/neuron"] == 16
+    assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == 8
+
+
+# --- platform charts --------------------------------------------------------------------------
+
+
+def test_etcd_serves_v2_on_a_stable_service_from_system_nodes():
+    deployment = next(o for o in RENDERED["etcd"] if o["kind"] == "Deployment")
+    service = next(o for o in RENDERED["etcd"] if o["kind"] == "Service")
+    pod = deployment["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert "--enable-v2=true" in args and "--listen-client-urls=http://0.0.0.0:2379" in args
+    assert pod["containers"][0]["image"].startswith("quay.io/coreos/etcd:v3.5.")
+    assert pod["nodeSelector"] == {"training-platform/node-role": "system"}
+    assert {"readinessProbe", "livenessProbe"} <= set(pod["containers"][0])
+    assert pod["volumes"] == [{"name": "data", "emptyDir": {}}]
+    assert service["metadata"]["name"] == "etcd" and service["spec"]["ports"][0]["port"] == 2379
+
+
+def test_etcd_can_keep_its_state_on_a_persistent_volume():
+    data = example_data()
+    data["jobs"] = {"etcd": {"persistent_volume_gib": 5}}
+    objects = render(parse_config(data), [], None)["etcd"]
+    claim = next(o for o in objects if o["kind"] == "PersistentVolumeClaim")
+    assert claim["spec"]["resources"]["requests"]["storage"] == "5Gi"
+
+
+def test_the_fsx_volume_is_bound_statically_to_the_stacks_file_system():
+    volume = next(o for o in RENDERED["storage"] if o["kind"] == "PersistentVolume")
+    claim = next(o for o in RENDERED["storage"] if o["kind"] == "PersistentVolumeClaim")
+    csi = volume["spec"]["csi"]
+    assert csi == {"driver": "fsx.csi.aws.com", "volumeHandle": VOLUME.file_system_id,
+                   "volumeAttributes": {"dnsname": VOLUME.dns_name, "mountname": VOLUME.mount_name}}
+    assert volume["spec"]["accessModes"] == ["ReadWriteMany"] and volume["spec"]["mountOptions"] == ["flock"]
+    assert volume["spec"]["persistentVolumeReclaimPolicy"] == "Retain"
+    assert claim["spec"]["volumeName"] == volume["metadata"]["name"]
+
+
+def test_queue_and_priority_class_come_from_config():
+    kinds = {o["kind"]: o for o in RENDERED["scheduling"]}
+    assert kinds["Queue"]["metadata"]["name"] == "training" and kinds["Queue"]["spec"]["weight"] == 1
+    assert kinds["PriorityClass"]["value"] == 1000
+
+
+def test_the_volcano_policy_leaves_out_enqueue_so_pods_exist_for_the_autoscaler():
+    assert "enqueue" not in SCHEDULER_ACTIONS
+    policy = yaml.safe_load(helm_values()["custom"]["scheduler_config_override"])
+    assert policy["actions"] == "allocate, backfill"
+    assert {"name": "gang"} in policy["tiers"][0]["plugins"]
+
+
+def test_data_preparation_runs_the_trainer_subcommand_on_system_nodes():
+    job = RENDERED["prepare-imagenet"][0]
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"training-platform/node-role": "system"}
+    assert pod["containers"][0]["command"][:4] == ["python", "-m", "training", "prepare-imagenet"]
+
+
+# --- bad job specs: one line each ---------------------------------------------------------------
+
+
+BASE = {"name": "j", "image": "repo.example.com/trainer:gpu-1", "node_group": "p4d"}
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"node_group": "p5"}, 'node_group: got "p5" (not a node group of this platform); allowed: p4d, trn1'),
+        ({"accelerators_per_node": 16},
+         "accelerators_per_node: got 16 (p4d.24xlarge has 8 A100); allowed: 1 to 8"),
+        ({"min_nodes": 3, "max_nodes": 2}, "min_nodes: got 3; allowed: at most max_nodes (2)"),
+        ({"max_nodes": 9}, "max_nodes: got 9; allowed: at most 4, the node group's max_size"),
+        ({"image": "trainer:latest"}, 'image: got "trainer:latest"; allowed: an image pinned by tag or digest'),
+        ({"name": "Resnet_50"}, 'name: got "Resnet_50"; allowed: lowercase letters, digits and'),
+        ({"checkpoint_path": "/tmp/ck"}, 'checkpoint_path: got "/tmp/ck"; allowed: an absolute path on the shared'),
+        ({"gpus": 8}, "gpus: unknown key; allowed keys here: accelerators_per_node,"),
+    ],
+)
+def test_each_bad_job_spec_is_one_line(changes, expected):
+    with pytest.raises(ConfigError) as caught:
+        parse_job_spec({**BASE, **changes}, CONFIG)
+    assert len(caught.value.problems) == 1
+    assert caught.value.problems[0].startswith(expected), caught.value.problems[0]
+
+
+def test_efa_on_a_type_without_it_is_one_line():
+    with pytest.raises(ConfigError) as caught:
+        parse_job_spec({**BASE, "node_group": "g", "efa": True}, config_with("p3.8xlarge"))
+    assert caught.value.problems == ["efa: got true (p3.8xlarge has no EFA interfaces); allowed: false or null"]
+
+
+def test_the_renderer_writes_dist_and_reports_a_bad_spec_in_one_line(tmp_path):
+    outputs = tmp_path / "outputs.json"
+    outputs.write_text('{"mltrain-storage": {"FileSystemId": "fs-1", "FileSystemDnsName": "d", '
+                       '"FileSystemMountName": "m"}}')
+    ok = subprocess.run([sys.executable, "-m", "k8s_charts", "--job", str(EXAMPLES / "resnet50-p4d.yaml"),
+                         "--outputs", str(outputs), "--out", str(tmp_path / "dist")],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert sorted(p.name for p in (tmp_path / "dist").glob("*.yaml")) == [
+        "etcd.yaml", "namespaces.yaml", "prepare-imagenet.yaml", "resnet50-imagenet-nccl-check.yaml",
+        "resnet50-imagenet.yaml", "scheduling.yaml", "storage.yaml"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: j\nimage: repo.example.com/t:1\nnode_group: p5\n")
+    result = subprocess.run([sys.executable, "-m", "k8s_charts", "--job", str(bad), "--out", str(tmp_path / "dist")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f'config error: {bad}: node_group: got "p5" (not a node group of this '
+                                     'platform); allowed: p4d, trn1')
+    assert (tmp_path / "dist" / "storage.yaml").exists()  # nothing was overwritten
+
+
+def test_kubernetes_validate_catches_a_misspelt_field():
+    service = copy.deepcopy(next(o for o in RENDERED["etcd"] if o["kind"] == "Service"))
+    service["spec"]["portz"] = service["spec"].pop("ports")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(service, f"{CONFIG.cluster.kubernetes_version}.0", strict=True)
