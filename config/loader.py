@@ -17,6 +17,9 @@ _PATTERN_HELP = {
     r"^[a-z]{2}(-[a-z]+)+-\d$": "an AWS region name, e.g. us-west-2",
     r"^v?\d+\.\d+\.\d+$": "an exact version, e.g. 1.2.3",
     r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$": "a Kubernetes name: lowercase letters, digits and '-', at most 63",
+    r"^[\w.-]+/[\w.-]+$": "owner/repository, e.g. my-org/training-platform",
+    r"^arn:aws[a-z-]*:(codeconnections|codestar-connections):[a-z0-9-]+:\d{12}:connection/[0-9a-f-]{36}$":
+        "a CodeConnections connection ARN, e.g. arn:aws:codeconnections:us-west-2:123456789012:connection/<uuid>",
 }
 
 

@@ -356,6 +356,45 @@ class JobsConfig(StrictModel):
     ttl_seconds_after_finished: int = Field(default=86_400, ge=0)
 
 
+AccountId = Annotated[str, Field(pattern=r"^\d{12}$")]
+RegionName = Annotated[str, Field(pattern=r"^[a-z]{2}(-[a-z]+)+-\d$")]
+
+
+class PipelineStageConfig(StrictModel):
+    """One deployment of the platform: an account/region pair, optionally behind a manual approval."""
+
+    name: Name
+    account: AccountId
+    region: RegionName
+    manual_approval: bool = False
+
+
+class PipelineConfig(StrictModel):
+    """A self-mutating CDK pipeline that tests, synthesizes and deploys the platform stage by stage."""
+
+    repository: str = Field(pattern=r"^[\w.-]+/[\w.-]+$")
+    branch: str = "main"
+    connection_arn: str = Field(
+        pattern=r"^arn:aws[a-z-]*:(codeconnections|codestar-connections):[a-z0-9-]+:\d{12}:connection/[0-9a-f-]{36}$"
+    )
+    stages: list[PipelineStageConfig] = Field(min_length=1)
+
+    @field_validator("stages")
+    @classmethod
+    def _unique_names(cls, stages: list[PipelineStageConfig]) -> list[PipelineStageConfig]:
+        names: set[str] = set()
+        targets: set[tuple[str, str]] = set()
+        for i, stage in enumerate(stages):
+            if stage.name in names:
+                raise FieldProblem(f"[{i}].name", stage.name, "a name not used by another stage", "duplicate")
+            if (stage.account, stage.region) in targets:
+                raise FieldProblem(f"[{i}].account", stage.account, "an account/region no other stage deploys to",
+                                   "the stacks would overwrite each other")
+            names.add(stage.name)
+            targets.add((stage.account, stage.region))
+        return stages
+
+
 class PlatformConfig(StrictModel):
     """Everything one platform deployment needs."""
 
@@ -374,6 +413,7 @@ class PlatformConfig(StrictModel):
     monitoring: MonitoringConfig = MonitoringConfig()
     versions: VersionsConfig = VersionsConfig()
     jobs: JobsConfig = JobsConfig()
+    pipeline: PipelineConfig | None = None
     tags: dict[Annotated[str, Field(min_length=1, max_length=128)], Annotated[str, Field(max_length=256)]] = {}
 
     @field_validator("compute_az", "control_plane_az")
@@ -397,3 +437,16 @@ class PlatformConfig(StrictModel):
                 raise FieldProblem(f"[{i}].name", group.name, "a name not used by another node group", "duplicate")
             seen.add(group.name)
         return groups
+
+    @model_validator(mode="after")
+    def _pipeline_fits(self):
+        if self.pipeline is None:
+            return self
+        if self.account is None:
+            raise FieldProblem("account", None, "the 12-digit id of the account the pipeline runs in",
+                               "a pipeline needs an explicit account")
+        for i, stage in enumerate(self.pipeline.stages):
+            if stage.region != self.region:
+                raise FieldProblem(f"pipeline.stages[{i}].region", stage.region, f"{self.region} (region)",
+                                   "compute_az and control_plane_az are AZs of region")
+        return self

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from aws_cdk import App, Environment, Tags, Validations
 from cdk_nag import AwsSolutionsChecks
+from constructs import Construct
 
 from config import PlatformConfig
 from stacks.network_stack import NetworkStack
@@ -29,33 +30,57 @@ def build_platform(app: App, config: PlatformConfig) -> Platform:
     """Add every platform stack to ``app``, tagged, with cdk-nag AwsSolutions as a validation."""
     # No account in the config: the stacks stay account-agnostic, so synth never needs
     # credentials or a context lookup; deploy then targets the caller's account.
-    env = Environment(account=config.account, region=config.region)
+    platform = add_platform_stacks(app, config, Environment(account=config.account, region=config.region))
+    add_policy_checks(app)
+    return platform
+
+
+def add_platform_stacks(scope: Construct, config: PlatformConfig, env: Environment | None) -> Platform:
+    """The platform's stacks under ``scope``: the App, or one pipeline stage (which sets ``env`` itself)."""
     prefix = config.name_prefix
+    # Explicit names: in a pipeline stage the stacks keep the names the README and the CLI use.
     network = NetworkStack(
-        app, f"{prefix}-network", config=config, env=env, description=f"{prefix}: training VPC and compute subnet"
+        scope, f"{prefix}-network", stack_name=f"{prefix}-network", config=config, env=env, description=f"{prefix}: training VPC and compute subnet"
     )
     registry = RegistryStack(
-        app,
+        scope,
         f"{prefix}-registry",
+        stack_name=f"{prefix}-registry",
         config=config,
         env=env,
         description=f"{prefix}: trainer image repository and the worker node role that pulls from it",
     )
     storage = StorageStack(
-        app,
+        scope,
         f"{prefix}-storage",
+        stack_name=f"{prefix}-storage",
         config=config,
         network=network,
         env=env,
         description=f"{prefix}: FSx for Lustre in the compute subnet, linked to the S3 data bucket",
     )
-    Tags.of(app).add("platform", prefix)
+    Tags.of(scope).add("platform", prefix)
     for key, value in sorted(config.tags.items()):
-        Tags.of(app).add(key, value)
-    add_policy_checks(app)
+        Tags.of(scope).add(key, value)
     return Platform(network=network, registry=registry, storage=storage)
 
 
 def add_policy_checks(app: App) -> None:
     """cdk-nag AwsSolutions as a validation plugin: any unacknowledged finding fails synth."""
     Validations.of(app).add_plugins(AwsSolutionsChecks(app))
+
+
+def build_app(app: App, config: PlatformConfig, config_path: str) -> Platform | "PipelineStack":
+    """The platform's stacks, or, with ``pipeline`` configured, the pipeline that deploys them per stage."""
+    if config.pipeline is None:
+        return build_platform(app, config)
+    from stacks.pipeline_stack import PipelineStack
+
+    pipeline = PipelineStack(
+        app, f"{config.name_prefix}-pipeline", config=config, config_path=config_path,
+        env=Environment(account=config.account, region=config.region),
+        description=f"{config.name_prefix}: CDK pipeline that tests and deploys the platform",
+    )
+    Tags.of(app).add("platform", config.name_prefix)
+    add_policy_checks(app)
+    return pipeline

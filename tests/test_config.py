@@ -7,7 +7,7 @@ import pytest
 from config import ConfigError, load_config, parse_config
 from config.catalog import CATALOG
 from config.model import FsxDeploymentType, LOG_RETENTION_DAYS
-from tests.conftest import EXAMPLE, config_variant
+from tests.conftest import EXAMPLE, REPO, config_variant
 
 ALL_ACCELERATED = (
     "g5.12xlarge, g5.48xlarge, g5.xlarge, g6e.48xlarge, p3.8xlarge, p3dn.24xlarge, p4d.24xlarge, "
@@ -34,7 +34,7 @@ def test_example_config_is_valid():
         pytest.param(
             {"colour": "blue"},
             "colour: unknown key; allowed keys here: accelerated_node_groups, account, bucket, cluster, compute_az, "
-            "control_plane_az, ecr, fsx, jobs, monitoring, name_prefix, network, region, system_node_group, tags, versions",
+            "control_plane_az, ecr, fsx, jobs, monitoring, name_prefix, network, pipeline, region, system_node_group, tags, versions",
             id="unknown-top-level-key",
         ),
         pytest.param(
@@ -315,3 +315,8 @@ class TestYamlFile:
             "e.g. -c config=config/example.yaml"
         ]
         assert str(caught.value).startswith(str(tmp_path / "nope.yaml") + ": ")
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "config").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_config_is_valid(path):
+    assert load_config(path).name_prefix

@@ -25,6 +25,11 @@ ACCEPTED_CFN_LINT = [
         "aws-cdk-lib's own provider for restricting the default security group declares a DependsOn "
         "its Role reference already implies; harmless, and not our code to change.",
     ),
+    (
+        "W3005",
+        "Pipeline9850B417",
+        "aws-cdk-lib's CodePipeline declares a DependsOn on its role that the RoleArn reference already implies.",
+    ),
 ]
 
 

@@ -1,0 +1,180 @@
+"""The optional CDK pipeline: tests before synth, stages in order behind approvals, the same platform."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from aws_cdk import App, Validations
+from cfnlint.api import ManualArgs, lint_file
+from syrupy.extensions.json import JSONSnapshotExtension
+
+from config import ConfigError, parse_config
+from stacks import build_app, build_platform
+from stacks.app_factory import cli_context
+from tests.conftest import TEST_ACCOUNT, config_variant, mask_asset_hashes
+from tests.test_templates import _accepted
+
+PROD_ACCOUNT = "210987654321"
+CONNECTION = "arn:aws:codeconnections:us-west-2:123456789012:connection/0a1b2c3d-1111-2222-3333-444455556666"
+# The AZ lookup of the second account, as `cdk synth` with its credentials would cache it.
+PROD_CONTEXT = {f"availability-zones:account={PROD_ACCOUNT}:region=us-west-2": ["us-west-2a", "us-west-2b", "us-west-2c"]}
+
+
+def pipeline_data(**stage_changes):
+    data = config_variant(account=TEST_ACCOUNT)
+    data["pipeline"] = {
+        "repository": "my-org/training-platform",
+        "branch": "main",
+        "connection_arn": CONNECTION,
+        "stages": [
+            {"name": "dev", "account": TEST_ACCOUNT, "region": "us-west-2"},
+            {"name": "prod", "account": PROD_ACCOUNT, "region": "us-west-2", "manual_approval": True},
+        ],
+    }
+    return data
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    outdir = tmp_path_factory.mktemp("pipeline.out")
+    app = App(context=cli_context(PROD_CONTEXT), outdir=str(outdir))
+    stack = build_app(app, parse_config(pipeline_data()), "config/example.yaml")
+    assembly = app.synth()  # cdk-nag runs here: an unacknowledged finding raises
+    template = json.loads((outdir / stack.template_file).read_text())
+    return stack, assembly, template, outdir
+
+
+def resources(template, kind):
+    return [r["Properties"] for r in template["Resources"].values() if r["Type"] == kind]
+
+
+def test_pipeline_snapshot(pipeline, snapshot):
+    _, _, template, _ = pipeline
+    assert mask_asset_hashes(template) == snapshot.use_extension(JSONSnapshotExtension)
+
+
+def test_the_synth_step_runs_the_tests_before_synth_and_keeps_the_manifests(pipeline):
+    _, _, template, _ = pipeline
+    specs = [json.loads(p["Source"]["BuildSpec"]) for p in resources(template, "AWS::CodeBuild::Project")
+             if "make test" in p["Source"].get("BuildSpec", "")]
+    assert len(specs) == 1
+    commands = specs[0]["phases"]["build"]["commands"]
+    assert commands == ["make test", "make synth CONFIG=config/example.yaml", "cp -r dist cdk.out/manifests"]
+    assert specs[0]["artifacts"]["base-directory"] == "cdk.out"
+
+
+def stages(template):
+    return resources(template, "AWS::CodePipeline::Pipeline")[0]["Stages"]
+
+
+def test_stages_follow_the_config_with_approval_before_prod(pipeline):
+    _, _, template, _ = pipeline
+    names = [s["Name"] for s in stages(template)]
+    assert names[:3] == ["Source", "Build", "UpdatePipeline"] and names[-2:] == ["dev", "prod"]
+    by_name = {s["Name"]: s for s in stages(template)}
+    first = lambda stage: min(by_name[stage]["Actions"], key=lambda a: a["RunOrder"])  # noqa: E731
+    assert first("prod")["ActionTypeId"]["Category"] == "Approval"
+    assert all(a["ActionTypeId"]["Category"] != "Approval" for a in by_name["dev"]["Actions"])
+
+
+def test_stages_deploy_through_each_accounts_bootstrap_roles(pipeline):
+    _, _, template, _ = pipeline
+    prod = next(s for s in stages(template) if s["Name"] == "prod")
+    deploy_roles = {json.dumps(a.get("RoleArn")) for a in prod["Actions"] if a["ActionTypeId"]["Category"] == "Deploy"}
+    assert deploy_roles and all(PROD_ACCOUNT in r and "deploy-role" in r for r in deploy_roles)
+
+
+def test_artifacts_are_encrypted_with_a_rotated_key_and_the_source_needs_no_credentials(pipeline):
+    _, _, template, _ = pipeline
+    store = resources(template, "AWS::CodePipeline::Pipeline")[0]["ArtifactStore"]
+    assert store["EncryptionKey"]["Type"] == "KMS"
+    assert all(k.get("EnableKeyRotation") for k in resources(template, "AWS::KMS::Key"))
+    source = stages(template)[0]["Actions"][0]
+    assert source["ActionTypeId"]["Provider"] == "CodeStarSourceConnection"
+    assert source["Configuration"]["ConnectionArn"] == CONNECTION
+    assert "OAuthToken" not in json.dumps(template)
+
+
+def test_cfn_lint_clean_for_the_pipeline_and_its_stages(pipeline):
+    _, _, _, outdir = pipeline
+    paths = [outdir / "mltrain-pipeline.template.json", *sorted(outdir.glob("assembly-*/*.template.json"))]
+    assert len(paths) == 7
+    for path in paths:
+        assert [str(m) for m in lint_file(path, config=ManualArgs(regions=["us-west-2"])) if not _accepted(m)] == []
+
+
+def comparable(template: dict, stage_path: str = "") -> dict:
+    """A template with what only names the construct tree taken out.
+
+    Inside a stage, construct paths start with ``<pipeline>/<stage>/``: that shows in the
+    ``aws:cdk:path`` metadata, in the VPC's Name tags, and in the logical ids of security
+    group rules (named after the peer's path). Those rules are keyed by their content instead.
+    Asset paths are relative to each assembly's folder.
+    """
+    text = json.dumps(template)
+    if stage_path:
+        text = text.replace(f"{stage_path}/", "")
+    out = mask_asset_hashes(json.loads(text))
+    keyed = {}
+    for logical_id, resource in out.get("Resources", {}).items():
+        resource.get("Metadata", {}).pop("aws:cdk:path", None)
+        resource.get("Metadata", {}).pop("aws:asset:path", None)  # relative to each assembly's folder
+        if resource["Type"] in ("AWS::EC2::SecurityGroupIngress", "AWS::EC2::SecurityGroupEgress"):
+            logical_id = f"{resource['Type']}:{json.dumps(resource['Properties'], sort_keys=True)}"
+        keyed[logical_id] = resource
+    out["Resources"] = keyed
+    return out
+
+
+def test_a_stage_deploys_the_same_platform_as_a_direct_synth(pipeline, tmp_path):
+    _, _, _, outdir = pipeline
+    app = App(context=cli_context(), outdir=str(tmp_path))
+    build_platform(app, parse_config(config_variant(account=TEST_ACCOUNT)))
+    direct = app.synth()
+    for stack in direct.stacks:
+        staged = next(Path(outdir).glob(f"assembly-*-dev/*{stack.stack_name.replace('-', '')}*.template.json"))
+        assert comparable(json.loads(staged.read_text()), "mltrain-pipeline/dev") == comparable(stack.template), (
+            stack.stack_name)
+
+
+def test_stage_stacks_keep_the_platform_stack_names(pipeline):
+    stack, _, _, _ = pipeline
+    assert [s.stack_name for s in stack.stages[1].platform.stacks] == [
+        "mltrain-network", "mltrain-registry", "mltrain-storage"]
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda d: d.pop("account"), "account: got null (a pipeline needs an explicit account); allowed: the 12-digit"),
+    (lambda d: d["pipeline"]["stages"][1].update(region="eu-west-1"),
+     'pipeline.stages[1].region: got "eu-west-1" (compute_az and control_plane_az are AZs of region); allowed: '
+     "us-west-2 (region)"),
+    (lambda d: d["pipeline"]["stages"][1].update(account=TEST_ACCOUNT),
+     'pipeline.stages[1].account: got "123456789012" (the stacks would overwrite each other)'),
+    (lambda d: d["pipeline"].update(connection_arn="arn:aws:iam::123456789012:role/x"),
+     'pipeline.connection_arn: got "arn:aws:iam::123456789012:role/x"; allowed: a CodeConnections connection ARN'),
+])
+def test_pipeline_config_mistakes_are_one_line(change, expected):
+    data = pipeline_data()
+    change(data)
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data)
+    assert len(caught.value.problems) == 1 and caught.value.problems[0].startswith(expected), caught.value.problems
+
+
+def test_the_pipeline_acknowledges_only_its_generated_roles_and_artifact_bucket(pipeline):
+    stack, _, _, _ = pipeline
+    found = {}
+    for construct in stack.node.find_all():
+        for entry in construct.node.metadata:
+            if entry.type == Validations.ACKNOWLEDGED_RULES_METADATA_KEY:
+                for rule, reason in entry.data.items():
+                    found[(construct.node.path, rule)] = reason
+    stage_paths = {key for key in found if "/dev/" in key[0] or "/prod/" in key[0]}
+    pipeline_acks = {key for key in found if key not in stage_paths}
+    assert {path for path, _ in pipeline_acks} == {"mltrain-pipeline/Pipeline",
+                                                  "mltrain-pipeline/Pipeline/Pipeline/ArtifactsBucket"}
+    assert {rule.split("[")[0] for _, rule in pipeline_acks} == {"AwsSolutions::AwsSolutions-IAM5",
+                                                                 "AwsSolutions::AwsSolutions-S1"}
+    assert all(len(found[key]) > 40 for key in pipeline_acks)
