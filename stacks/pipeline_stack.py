@@ -39,7 +39,12 @@ class PipelineStack(Stack):
         self.synth_step = pipelines.ShellStep(
             "Synth",
             input=source,
-            env={"CI": "true", "CDK_DISABLE_CLI_TELEMETRY": "true"},
+            env={
+                "CI": "true",
+                "CDK_DISABLE_CLI_TELEMETRY": "true",
+                # The tests need torch on CPU only; PyPI's default Linux wheel pulls GBs of CUDA.
+                "PIP_EXTRA_INDEX_URL": "https://download.pytorch.org/whl/cpu",
+            },
             commands=[TEST_COMMAND, SYNTH_COMMAND.format(config=config_path), KEEP_MANIFESTS],
             primary_output_directory="cdk.out",
         )

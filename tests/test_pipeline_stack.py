@@ -63,6 +63,9 @@ def test_the_synth_step_runs_the_tests_before_synth_and_keeps_the_manifests(pipe
     commands = specs[0]["phases"]["build"]["commands"]
     assert commands == ["make test", "make synth CONFIG=config/example.yaml", "cp -r dist cdk.out/manifests"]
     assert specs[0]["artifacts"]["base-directory"] == "cdk.out"
+    project = next(p for p in resources(template, "AWS::CodeBuild::Project") if "make test" in p["Source"]["BuildSpec"])
+    env = {v["Name"]: v["Value"] for v in project["Environment"]["EnvironmentVariables"]}
+    assert env["CI"] == "true" and env["PIP_EXTRA_INDEX_URL"].endswith("/whl/cpu")
 
 
 def stages(template):
