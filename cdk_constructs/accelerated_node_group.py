@@ -17,6 +17,7 @@ from aws_cdk import ArnFormat, Stack, aws_ec2 as ec2, aws_eks_v2 as eks, aws_iam
 from constructs import Construct
 
 from cdk_constructs.efa_launch_template import EfaLaunchTemplate, EfaLaunchTemplateProps
+from cdk_constructs.nag import account_in_finding, acknowledge
 from config import AcceleratedNodeGroupConfig
 from config.catalog import ACCELERATED_ROLE, INSTANCE_TYPE_LABEL, NODE_ROLE_LABEL
 
@@ -115,7 +116,7 @@ class AcceleratedNodeGroup(Construct):
                                   "Value": value, "PropagateAtLaunch": False} for key, value in sorted(tags.items())]},
             physical_resource_id=cr.PhysicalResourceId.of(f"{nodegroup_name}-asg-tags"),
         )
-        cr.AwsCustomResource(
+        tagger = cr.AwsCustomResource(
             self, "TagAutoScalingGroup", on_create=tag, on_update=tag,
             policy=cr.AwsCustomResourcePolicy.from_statements([iam.PolicyStatement(
                 actions=["autoscaling:CreateOrUpdateTags"],
@@ -127,3 +128,9 @@ class AcceleratedNodeGroup(Construct):
             )]),
             install_latest_aws_sdk=False,
         )
+        logical_id = stack.get_logical_id(self.nodegroup.node.default_child)
+        acknowledge(tagger, "IAM5",
+                    "Managed node groups name their Auto Scaling group eks-<node group>-<random id>; the random "
+                    "part is unknown until deploy, and a tag condition pins the group to this cluster",
+                    finding=f"Resource::arn:aws:autoscaling:{stack.region}:{account_in_finding(self)}:autoScalingGroup:*"
+                            f":autoScalingGroupName/eks-<{logical_id}.NodegroupName>-*")

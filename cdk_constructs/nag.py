@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, Validations
+import json
+
+from aws_cdk import Acknowledgment, Stack, Token, Validations
 from constructs import IConstruct
 
 
@@ -14,3 +16,16 @@ def acknowledge(scope: IConstruct, rule: str, reason: str, finding: str | None =
     """
     rule_id = f"AwsSolutions::AwsSolutions-{rule}" + (f"[{finding}]" if finding else "")
     Validations.of(scope).acknowledge(Acknowledgment(id=rule_id, reason=reason))
+
+
+def as_finding(scope: IConstruct, value: str) -> str:
+    """``value`` the way cdk-nag prints it in a finding: literal text, or the resolved intrinsic as JSON."""
+    if not Token.is_unresolved(value):
+        return value
+    return json.dumps(Stack.of(scope).resolve(value), separators=(",", ":"))
+
+
+def account_in_finding(scope: IConstruct) -> str:
+    """The account as it appears in findings: a literal id, or ``<AWS::AccountId>`` for an agnostic stack."""
+    account = Stack.of(scope).account
+    return "<AWS::AccountId>" if Token.is_unresolved(account) else account

@@ -112,4 +112,6 @@ class TrainingNetwork(Construct):
         if len(compute.subnets) != 1:
             raise ValueError(f"expected one private subnet in {props.compute_az}, found {len(compute.subnets)}")
         self.compute_subnet: ec2.ISubnet = compute.subnets[0]
+        # Both AZs' private subnets: the EKS control plane's and the system nodes'.
+        self.private_subnets = ec2.SubnetSelection(subnet_group_name=PRIVATE_GROUP)
 

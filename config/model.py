@@ -119,6 +119,8 @@ class ClusterConfig(StrictModel):
     kubernetes_version: str = "1.34"
     endpoint_access_cidrs: list[str] = Field(min_length=1)
     admin_principal_arns: list[str] = []
+    # An idle accelerated node is removed after this many minutes (groups scale to min_size, 0 by default).
+    scale_down_idle_minutes: int = Field(default=10, ge=1, le=1440)
 
     @field_validator("kubernetes_version", mode="before")
     @classmethod
@@ -160,6 +162,10 @@ class SystemNodeGroupConfig(_Sized):
         if v not in CATALOG or CATALOG[v].is_accelerated:
             raise FieldProblem("", v, ", ".join(cpu_types()), "not a CPU instance type in the catalog")
         return v
+
+    @property
+    def instance(self) -> InstanceType:
+        return lookup(self.instance_type)
 
 
 class AcceleratedNodeGroupConfig(_Sized):
@@ -307,6 +313,10 @@ class VersionsConfig(StrictModel):
     neuron_chart: SemVer = "1.1.2"
     efa_device_plugin_chart: SemVer = "v0.5.7"
     cluster_autoscaler_chart: SemVer = "9.50.0"
+    node_termination_handler_chart: SemVer = "0.27.2"
+    # EKS add-on versions, e.g. {"vpc-cni": "v1.20.4-eksbuild.1"}. An add-on left out gets EKS's
+    # default version for the cluster's Kubernetes version when it is created.
+    addons: dict[str, Annotated[str, Field(pattern=r"^v\d+\.\d+\.\d+-eksbuild\.\d+$")]] = {}
 
     @field_validator("etcd_image")
     @classmethod

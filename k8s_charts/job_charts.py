@@ -9,7 +9,7 @@ from config import PlatformConfig
 from config.catalog import INSTANCE_TYPE_LABEL, NODE_ROLE_LABEL, SYSTEM_ROLE
 from k8s_charts.job_spec import FSX_MOUNT, JobSpec
 from k8s_charts.objects import k8s_object
-from k8s_charts.platform_charts import FSX_CLAIM, etcd_endpoint
+from k8s_charts.platform_charts import FSX_CLAIM, TRAINER_SERVICE_ACCOUNT, etcd_endpoint
 from training.launch import LAUNCH_ENVIRONMENT, TRAINER_MODULE, torchrun_arguments
 
 # Kept free on every node for the kubelet, the OS and the platform's DaemonSets.
@@ -146,6 +146,7 @@ class _VolcanoJobChart(Chart):
                               "metadata": {"labels": labels},
                               "spec": {
                                   "restartPolicy": "Never",
+                                  "serviceAccountName": TRAINER_SERVICE_ACCOUNT,
                                   "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
                                   "nodeSelector": {INSTANCE_TYPE_LABEL: instance.name},
                                   "tolerations": [{"key": instance.taint_key, "operator": "Exists",
@@ -192,6 +193,7 @@ class DataPrepChart(Chart):
                       "ttlSecondsAfterFinished": config.jobs.ttl_seconds_after_finished,
                       "template": {"spec": {
                           "restartPolicy": "Never",
+                          "serviceAccountName": TRAINER_SERVICE_ACCOUNT,
                           "nodeSelector": {NODE_ROLE_LABEL: SYSTEM_ROLE},
                           "containers": [{
                               "name": "prepare",

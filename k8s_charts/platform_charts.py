@@ -15,6 +15,8 @@ from training.launch import ETCD_CLIENT_PORT, ETCD_PEER_PORT
 from training.local_cluster import etcd_arguments
 
 ETCD_NAME = "etcd"
+# Training pods run as this service account; the cluster gives it access to the data bucket's prefixes.
+TRAINER_SERVICE_ACCOUNT = "trainer"
 FSX_CLAIM = "fsx"
 FSX_CSI_DRIVER = "fsx.csi.aws.com"
 ETCD_DATA_DIR = "/var/lib/etcd"
@@ -37,12 +39,16 @@ def _metadata(name: str, namespace: str | None = None, **labels: str) -> dict:
 
 
 class NamespacesChart(Chart):
-    """The platform's namespace (etcd) and the jobs' namespace."""
+    """The platform's namespace (etcd), the jobs' namespace and its trainer service account."""
 
     def __init__(self, scope: Construct, id: str, config: PlatformConfig):
         super().__init__(scope, id)
         for namespace in (config.jobs.platform_namespace, config.jobs.namespace):
             k8s_object(self, namespace, api_version="v1", kind="Namespace", metadata=_metadata(namespace))
+        account = k8s_object(self, "trainer", api_version="v1", kind="ServiceAccount",
+                             metadata=_metadata(TRAINER_SERVICE_ACCOUNT, config.jobs.namespace),
+                             automountServiceAccountToken=False)
+        account.add_dependency(*[c for c in self.node.children if c.node.id == config.jobs.namespace])
 
 
 class EtcdChart(Chart):

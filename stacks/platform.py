@@ -9,6 +9,7 @@ from cdk_nag import AwsSolutionsChecks
 from constructs import Construct
 
 from config import PlatformConfig
+from stacks.cluster_stack import ClusterStack
 from stacks.network_stack import NetworkStack
 from stacks.registry_stack import RegistryStack
 from stacks.storage_stack import StorageStack
@@ -19,11 +20,12 @@ class Platform:
     network: NetworkStack
     registry: RegistryStack
     storage: StorageStack
+    cluster: ClusterStack
 
     @property
     def stacks(self) -> list:
-        """In deploy order. Teardown (README): storage, then the cluster, then registry, then network."""
-        return [self.network, self.registry, self.storage]
+        """In deploy order. Teardown (README): jobs, PVCs, storage, the cluster, registry, network."""
+        return [self.network, self.registry, self.storage, self.cluster]
 
 
 def build_platform(app: App, config: PlatformConfig) -> Platform:
@@ -59,10 +61,21 @@ def add_platform_stacks(scope: Construct, config: PlatformConfig, env: Environme
         env=env,
         description=f"{prefix}: FSx for Lustre in the compute subnet, linked to the S3 data bucket",
     )
+    cluster = ClusterStack(
+        scope,
+        f"{prefix}-cluster",
+        stack_name=f"{prefix}-cluster",
+        config=config,
+        network=network,
+        registry=registry,
+        storage=storage,
+        env=env,
+        description=f"{prefix}: EKS with system and EFA-ready accelerated node groups, add-ons and charts",
+    )
     Tags.of(scope).add("platform", prefix)
     for key, value in sorted(config.tags.items()):
         Tags.of(scope).add(key, value)
-    return Platform(network=network, registry=registry, storage=storage)
+    return Platform(network=network, registry=registry, storage=storage, cluster=cluster)
 
 
 def add_policy_checks(app: App) -> None:

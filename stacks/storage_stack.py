@@ -7,7 +7,9 @@ from constructs import Construct
 
 from cdk_constructs.data_bucket import DataBucket, DataBucketProps
 from cdk_constructs.lustre import LinkedLustreFileSystem, LinkedLustreProps, S3Link
+from cdk_constructs.nag import acknowledge
 from cdk_constructs.network import RETENTION_BY_DAYS
+from cdk_constructs.pod_identity import pod_identity_role
 from config import PlatformConfig
 from stacks.network_stack import NetworkStack
 from stacks.removal import removal
@@ -34,6 +36,18 @@ class StorageStack(Stack):
                 removal_policy=removal(bucket_cfg.retain_on_delete),
             ),
         ).bucket
+
+        # Training pods' identity (associated by the cluster stack): the two linked prefixes, nothing else.
+        self.trainer_role = pod_identity_role(self, "TrainerRole", "Training pods: the data bucket's dataset "
+                                              "and checkpoint prefixes")
+        for prefix in (fsx_cfg.data_prefix, fsx_cfg.checkpoint_prefix):
+            self.data_bucket.grant_read_write(self.trainer_role, f"{prefix}*")
+            acknowledge(self.trainer_role, "IAM5", "Objects under one of the two prefixes the file system links "
+                        "(datasets, checkpoints), nothing else of the bucket",
+                        finding=f"Resource::<{self.get_logical_id(self.data_bucket.node.default_child)}.Arn>/{prefix}*")
+        for action in ("s3:GetObject*", "s3:GetBucket*", "s3:List*", "s3:DeleteObject*", "s3:Abort*"):
+            acknowledge(self.trainer_role, "IAM5", "CDK's read/write grant, limited to the two prefixes above",
+                        finding=f"Action::{action}")
 
         vpc = network.network
         self.file_system = LinkedLustreFileSystem(

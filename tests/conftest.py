@@ -91,6 +91,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     ),
     "fsx-2400": config_variant(**{"fsx.storage_capacity_gib": 2400}),
     "fsx-4800": config_variant(**{"fsx.storage_capacity_gib": 4800, "fsx.throughput_per_tib": 500}),
+    "every-family": config_variant(accelerated_node_groups=[
+        {"name": "p5", "instance_type": "p5.48xlarge", "min_size": 0, "desired_size": 0, "max_size": 2},
+        {"name": "trn1n", "instance_type": "trn1n.32xlarge", "min_size": 0, "desired_size": 0, "max_size": 2,
+         "capacity_type": "SPOT"},
+        {"name": "p3", "instance_type": "p3.8xlarge", "min_size": 0, "desired_size": 0, "max_size": 2,
+         "placement_group": False},
+    ]),
     "nothing-retained": config_variant(
         **{"fsx.retain_on_delete": False, "bucket.retain_on_delete": False, "ecr.retain_on_delete": False}
     ),

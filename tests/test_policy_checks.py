@@ -49,6 +49,40 @@ REVIEWED_ACKNOWLEDGEMENTS = {
         "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonEC2ContainerRegistryPullOnly]",
     ),
     ("mltrain-registry/Nodes/Role", "AwsSolutions::AwsSolutions-IAM5[Resource::*]"),
+    # Training pods: CDK's read/write grant on the bucket's two linked prefixes.
+    *{("mltrain-storage/TrainerRole", f"AwsSolutions::AwsSolutions-IAM5[{finding}]") for finding in (
+        "Action::s3:Abort*", "Action::s3:DeleteObject*", "Action::s3:GetBucket*", "Action::s3:GetObject*",
+        "Action::s3:List*", "Resource::<DataBucketE6B0FAA8.Arn>/checkpoints/*",
+        "Resource::<DataBucketE6B0FAA8.Arn>/datasets/*")},
+    # Add-on roles with the AWS-managed policies the add-ons document.
+    ("mltrain-cluster/Addons/CloudWatchAgent/Role",
+     "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/CloudWatchAgentServerPolicy]"),
+    ("mltrain-cluster/Addons/VpcCni/Role",
+     "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonEKS_CNI_Policy]"),
+    # Controllers whose Describe calls have no resource-level permissions.
+    ("mltrain-cluster/Charts/AutoscalerIdentity/Role", "AwsSolutions::AwsSolutions-IAM5[Resource::*]"),
+    ("mltrain-cluster/Charts/TerminationHandlerIdentity/Role", "AwsSolutions::AwsSolutions-IAM5[Resource::*]"),
+    ("mltrain-cluster/Charts/InterruptionQueue", "AwsSolutions::AwsSolutions-SQS3"),
+    # Scale from zero: tagging each group's Auto Scaling group, whose name has a random part.
+    *{(f"mltrain-cluster/Group-{g}/TagAutoScalingGroup",
+       f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:aws:autoscaling:us-west-2:<AWS::AccountId>:autoScalingGroup:"
+       f"*:autoScalingGroupName/eks-<Group{g}Nodegroup{suffix}.NodegroupName>-*]")
+      for g, suffix in (("p4d", "1BED6FE0"), ("trn1", "F787AE98"))},
+    # aws-cdk-lib's own cluster role, kubectl provider and custom-resource Lambda.
+    ("mltrain-cluster/Cluster/Role",
+     "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonEKSClusterPolicy]"),
+    *{("mltrain-cluster/Cluster/KubectlProvider", f"AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{p}]")
+      for p in ("AmazonEC2ContainerRegistryReadOnly", "service-role/AWSLambdaBasicExecutionRole",
+                "service-role/AWSLambdaVPCAccessExecutionRole")},
+    ("mltrain-cluster/Cluster/KubectlProvider",
+     'AwsSolutions::AwsSolutions-IAM4[Policy::{"Fn::If":["ClusterKubectlProviderHandlerHasEcrPublic69E09706",'
+     '{"Fn::Join":["",["arn:",{"Ref":"AWS::Partition"},":iam::aws:policy/AmazonElasticContainerRegistryPublicReadOnly"]]},'
+     '{"Ref":"AWS::NoValue"}]}]'),
+    ("mltrain-cluster/Cluster/KubectlProvider",
+     "AwsSolutions::AwsSolutions-IAM5[Resource::<ClusterKubectlProviderHandler2E05C68A.Arn>:*]"),
+    ("mltrain-cluster/Cluster/KubectlProvider", "AwsSolutions::AwsSolutions-L1"),
+    ("mltrain-cluster/AWS679f53fac002430cb0da5b7982bd2287",
+     "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/AWSLambdaBasicExecutionRole]"),
 }
 
 

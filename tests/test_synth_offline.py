@@ -73,6 +73,7 @@ def test_pinned_cli_version():
 
 def test_default_config_synthesizes_offline(default_synths):
     assert templates(default_synths["cli"]) == [
+        "mltrain-cluster.template.json",
         "mltrain-network.template.json",
         "mltrain-registry.template.json",
         "mltrain-storage.template.json",

@@ -27,6 +27,16 @@ ACCEPTED_CFN_LINT = [
     ),
     (
         "W3005",
+        "ClusterKubectlProvider",
+        "aws-cdk-lib's kubectl provider Lambdas declare a DependsOn on their roles that the Role reference implies.",
+    ),
+    (
+        "W3005",
+        "AWS679f53fac002430cb0da5b7982bd2287",
+        "aws-cdk-lib's AwsCustomResource Lambda declares a DependsOn on its role that the Role reference implies.",
+    ),
+    (
+        "W3005",
         "Pipeline9850B417",
         "aws-cdk-lib's CodePipeline declares a DependsOn on its role that the RoleArn reference already implies.",
     ),

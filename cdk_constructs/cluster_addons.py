@@ -1,0 +1,79 @@
+"""EKS add-ons the platform needs, each with the least IAM it can run with, through Pod Identity."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from aws_cdk import aws_eks_v2 as eks, aws_iam as iam
+from constructs import Construct
+
+from cdk_constructs.nag import acknowledge
+from cdk_constructs.pod_identity import PodIdentityRole
+
+# Tolerate every taint: the FSx node plugin must run exactly on the tainted GPU and Neuron
+# nodes that mount the file system, and the agents must report from them.
+TOLERATE_ALL = [{"operator": "Exists"}]
+
+
+@dataclass(frozen=True)
+class ClusterAddonsProps:
+    cluster: eks.Cluster
+    versions: dict[str, str]  # add-on name -> pinned version; absent: EKS's default for the cluster
+    file_system_arn: str
+    monitoring: bool
+
+
+class ClusterAddons(Construct):
+    def __init__(self, scope: Construct, id: str, props: ClusterAddonsProps) -> None:
+        super().__init__(scope, id)
+        self._props = props
+        self.pod_identity_agent = self._addon("eks-pod-identity-agent")
+        cni = self._role("VpcCni", "kube-system", "aws-node", "VPC CNI: assigns pod IP addresses",
+                         managed=["AmazonEKS_CNI_Policy"])
+        self._addon("vpc-cni", roles=[cni])
+        self._addon("kube-proxy")
+        self._addon("coredns")
+        fsx = self._role("FsxCsi", "kube-system", "fsx-csi-controller-sa",
+                         "FSx CSI driver: the file system is bound statically; the driver only describes it")
+        fsx.role.add_to_policy(iam.PolicyStatement(actions=["fsx:DescribeFileSystems"],
+                                                   resources=[props.file_system_arn]))
+        self.fsx_csi = self._addon("aws-fsx-csi-driver", roles=[fsx], configuration={
+            "node": {"tolerations": TOLERATE_ALL}})
+        if props.monitoring:
+            agent = self._role("CloudWatchAgent", "amazon-cloudwatch", "cloudwatch-agent",
+                               "CloudWatch agent: Container Insights with GPU, Neuron and EFA metrics",
+                               managed=["CloudWatchAgentServerPolicy"])
+            self._addon("amazon-cloudwatch-observability", roles=[agent], configuration={
+                "tolerations": TOLERATE_ALL,
+                "agent": {"config": {"logs": {"metrics_collected": {"kubernetes": {
+                    "enhanced_container_insights": True, "accelerated_compute_metrics": True}}}}},
+            })
+
+    def _role(self, id: str, namespace: str, service_account: str, description: str,
+              managed: list[str] = ()) -> PodIdentityRole:
+        role = PodIdentityRole(self, id, cluster=self._props.cluster, namespace=namespace,
+                               service_account=service_account, description=description, associate_now=False)
+        for name in managed:
+            role.role.add_managed_policy(iam.ManagedPolicy.from_aws_managed_policy_name(name))
+            acknowledge(role.role, "IAM4", f"{name} is the AWS-maintained policy this add-on documents; "
+                        "its actions follow the add-on's releases", finding=f"Policy::arn:<AWS::Partition>:iam::aws:policy/{name}")
+        return role
+
+    def _addon(self, name: str, roles: list[PodIdentityRole] = (), configuration: dict | None = None) -> eks.CfnAddon:
+        addon = eks.CfnAddon(
+            self, name,
+            addon_name=name,
+            cluster_name=self._props.cluster.cluster_name,
+            addon_version=self._props.versions.get(name),
+            # The platform owns these settings; an upgrade overwrites hand edits.
+            resolve_conflicts="OVERWRITE",
+            configuration_values=json.dumps(configuration) if configuration else None,
+            pod_identity_associations=[eks.CfnAddon.PodIdentityAssociationProperty(
+                role_arn=r.role.role_arn, service_account=r.service_account) for r in roles] or None,
+        )
+        if roles:
+            addon.node.add_dependency(self.pod_identity_agent)
+        return addon
+
+

@@ -1,0 +1,147 @@
+"""Cluster stack: EKS with system and EFA-ready accelerated node groups, add-ons, charts, autoscaling."""
+
+from __future__ import annotations
+
+import importlib
+
+from aws_cdk import CfnCondition, CfnOutput, Stack, aws_eks_v2 as eks, aws_kms as kms
+from aws_cdk.aws_lambda import CfnFunction
+from cdk8s import App as Cdk8sApp
+from constructs import Construct
+
+from cdk_constructs.accelerated_node_group import AcceleratedNodeGroup, AcceleratedNodeGroupProps
+from cdk_constructs.cluster_addons import ClusterAddons, ClusterAddonsProps
+from cdk_constructs.cluster_charts import ClusterCharts, ClusterChartsProps
+from cdk_constructs.efa_launch_template import EfaLaunchTemplate, EfaLaunchTemplateProps
+from cdk_constructs.nag import acknowledge
+from cdk_constructs.pod_identity import associate
+from config import PlatformConfig
+from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE
+from k8s_charts.platform_charts import (
+    TRAINER_SERVICE_ACCOUNT, EtcdChart, LustreVolumeValues, NamespacesChart, SchedulingChart, StorageChart,
+)
+from stacks.network_stack import NetworkStack
+from stacks.registry_stack import RegistryStack
+from stacks.storage_stack import StorageStack
+
+# The id aws-cdk-lib gives the one Lambda behind every AwsCustomResource in a stack.
+AWS_CUSTOM_RESOURCE_SINGLETON = "AWS679f53fac002430cb0da5b7982bd2287"
+CONTROL_PLANE_LOGS = [
+    eks.ClusterLoggingTypes.API, eks.ClusterLoggingTypes.AUDIT, eks.ClusterLoggingTypes.AUTHENTICATOR,
+    eks.ClusterLoggingTypes.CONTROLLER_MANAGER, eks.ClusterLoggingTypes.SCHEDULER,
+]
+
+
+def kubectl_layer(scope: Construct, kubernetes_version: str):
+    """The kubectl/helm Lambda layer that matches the cluster's Kubernetes minor version."""
+    minor = kubernetes_version.split(".")[1]
+    module = importlib.import_module(f"aws_cdk.lambda_layer_kubectl_v{minor}")
+    return getattr(module, f"KubectlV{minor}Layer")(scope, "KubectlLayer")
+
+
+class ClusterStack(Stack):
+    def __init__(self, scope: Construct, id: str, *, config: PlatformConfig, network: NetworkStack,
+                 registry: RegistryStack, storage: StorageStack, **kwargs) -> None:
+        super().__init__(scope, id, **kwargs)
+        net = network.network
+        secrets_key = kms.Key(self, "SecretsKey", enable_key_rotation=True,
+                              description=f"{config.name_prefix}: EKS secrets envelope encryption")
+        self.cluster = eks.Cluster(
+            self, "Cluster",
+            # A literal name: IAM conditions and the CLI refer to it before the cluster exists.
+            cluster_name=config.name_prefix,
+            version=eks.KubernetesVersion.of(config.cluster.kubernetes_version),
+            vpc=net.vpc,
+            vpc_subnets=[net.private_subnets],
+            default_capacity_type=eks.DefaultCapacityType.NODEGROUP,
+            default_capacity=0,
+            endpoint_access=eks.EndpointAccess.PUBLIC_AND_PRIVATE.only_from(*config.cluster.endpoint_access_cidrs),
+            cluster_logging=CONTROL_PLANE_LOGS,
+            secrets_encryption_key=secrets_key,
+            kubectl_provider_options=eks.KubectlProviderOptions(
+                kubectl_layer=kubectl_layer(self, config.cluster.kubernetes_version)),
+        )
+        for i, arn in enumerate(config.cluster.admin_principal_arns):
+            self.cluster.grant_access(f"Admin{i}", arn, [eks.AccessPolicy.from_access_policy_name(
+                "AmazonEKSClusterAdminPolicy", access_scope_type=eks.AccessScopeType.CLUSTER)])
+
+        node_groups_sgs = [net.node_security_group.security_group_id, self.cluster.cluster_security_group_id]
+        system = config.system_node_group
+        system_template = EfaLaunchTemplate(self, "SystemLaunchTemplate", EfaLaunchTemplateProps(
+            instance=system.instance, efa=False, security_group_ids=node_groups_sgs, placement_group_name=None,
+            root_volume_gib=100))
+        self.system_nodes = eks.Nodegroup(
+            self, "SystemNodes", cluster=self.cluster, node_role=registry.node_role,
+            ami_type=eks.NodegroupAmiType.AL2023_X86_64_STANDARD,
+            launch_template_spec=eks.LaunchTemplateSpec(id=system_template.launch_template_id,
+                                                        version=system_template.version),
+            subnets=net.private_subnets,
+            min_size=system.min_size, desired_size=system.desired_size, max_size=system.max_size,
+            labels={NODE_ROLE_LABEL: SYSTEM_ROLE},
+        )
+        self.accelerated = [
+            AcceleratedNodeGroup(self, f"Group-{group.name}", AcceleratedNodeGroupProps(
+                cluster=self.cluster, group=group, subnet=net.compute_subnet, node_role=registry.node_role,
+                node_security_group=net.node_security_group))
+            for group in config.accelerated_node_groups
+        ]
+
+        file_system = storage.file_system
+        self.addons = ClusterAddons(self, "Addons", ClusterAddonsProps(
+            cluster=self.cluster, versions=config.versions.addons,
+            file_system_arn=self.format_arn(service="fsx", resource="file-system",
+                                            resource_name=file_system.volume.file_system_id),
+            monitoring=config.monitoring.enabled))
+        self.charts = ClusterCharts(self, "Charts", ClusterChartsProps(cluster=self.cluster, config=config))
+
+        # Training pods read and write the bucket's two prefixes (the role lives with the bucket).
+        associate(self, "TrainerIdentity", self.cluster.cluster_name, config.jobs.namespace,
+                  TRAINER_SERVICE_ACCOUNT, storage.trainer_role)
+
+        self._platform_charts(config, storage)
+        self._acknowledge_generated_resources()
+        CfnOutput(self, "ClusterName", value=self.cluster.cluster_name)
+        CfnOutput(self, "ClusterEndpoint", value=self.cluster.cluster_endpoint)
+        CfnOutput(self, "JobsNamespace", value=config.jobs.namespace)
+
+    def _acknowledge_generated_resources(self) -> None:
+        """aws-cdk-lib's own cluster role, kubectl provider and custom-resource Lambda."""
+        acknowledge(self.cluster.role, "IAM4", "AmazonEKSClusterPolicy is the policy EKS requires for its "
+                    "cluster role", finding="Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonEKSClusterPolicy")
+        provider = self.cluster.kubectl_provider
+        managed = {
+            "service-role/AWSLambdaBasicExecutionRole": "the provider's Lambda functions write their own logs",
+            "service-role/AWSLambdaVPCAccessExecutionRole": "the kubectl handler runs in the VPC to reach the private endpoint",
+            "AmazonEC2ContainerRegistryReadOnly": "the kubectl handler pulls Helm charts from ECR (the Neuron chart)",
+        }
+        for policy, why in managed.items():
+            acknowledge(provider, "IAM4", f"aws-cdk-lib's kubectl provider: {why}",
+                        finding=f"Policy::arn:<AWS::Partition>:iam::aws:policy/{policy}")
+        condition = next(c for c in provider.node.find_all() if isinstance(c, CfnCondition))
+        acknowledge(provider, "IAM4", "aws-cdk-lib's kubectl provider: public ECR read for OCI Helm charts", finding=(
+            'Policy::{"Fn::If":["' + self.get_logical_id(condition) + '",{"Fn::Join":["",["arn:",{"Ref":"AWS::Partition"},'
+            '":iam::aws:policy/AmazonElasticContainerRegistryPublicReadOnly"]]},{"Ref":"AWS::NoValue"}]}'))
+        handler = next(c for c in provider.node.find_all() if isinstance(c, CfnFunction) and "Handler" in c.node.path)
+        acknowledge(provider, "IAM5", "aws-cdk-lib's provider framework invokes any version of its own handler",
+                    finding=f"Resource::<{self.get_logical_id(handler)}.Arn>:*")
+        acknowledge(provider, "L1", "The kubectl handler's runtime is pinned by aws-cdk-lib to match its kubectl layer")
+        custom_resource_lambda = self.node.try_find_child(AWS_CUSTOM_RESOURCE_SINGLETON)
+        if custom_resource_lambda is not None:
+            acknowledge(custom_resource_lambda, "IAM4", "aws-cdk-lib's AwsCustomResource Lambda writes its own logs",
+                        finding="Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/AWSLambdaBasicExecutionRole")
+
+    def _platform_charts(self, config: PlatformConfig, storage: StorageStack) -> None:
+        """etcd, the Volcano queue and the FSx volume, applied in order after what they need."""
+        charts = Cdk8sApp()
+        namespaces = self.cluster.add_cdk8s_chart("Namespaces", NamespacesChart(charts, "namespaces", config))
+        etcd = self.cluster.add_cdk8s_chart("Etcd", EtcdChart(charts, "etcd", config))
+        etcd.node.add_dependency(namespaces, self.system_nodes)
+        scheduling = self.cluster.add_cdk8s_chart("Scheduling", SchedulingChart(charts, "scheduling", config))
+        scheduling.node.add_dependency(self.charts.volcano)  # the Queue kind comes with Volcano's CRDs
+        volume = storage.file_system.volume
+        storage_chart = self.cluster.add_cdk8s_chart("Storage", StorageChart(charts, "storage", config, LustreVolumeValues(
+            file_system_id=volume.file_system_id, dns_name=volume.dns_name, mount_name=volume.mount_name,
+            capacity_gib=config.fsx.storage_capacity_gib)))
+        storage_chart.node.add_dependency(namespaces, self.addons.fsx_csi)  # the CSI driver before its volume
+
+

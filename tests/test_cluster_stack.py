@@ -1,0 +1,200 @@
+"""The cluster stack: EKS, node groups in the compute subnet, add-ons, device plugins, autoscaling, charts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from config import CATALOG
+from tests.conftest import VARIANTS, config_variant
+
+HELM = "Custom::AWSCDK-EKS-HelmChart"
+MANIFEST = "Custom::AWSCDK-EKS-KubernetesResource"
+
+
+@pytest.fixture(scope="module")
+def example(synth):
+    return synth(VARIANTS["example"])
+
+
+def template(result):
+    return result.template(result.platform.cluster)
+
+
+def resources(result, kind):
+    return template(result).find_resources(kind)
+
+
+def props(result, kind):
+    return [r["Properties"] for r in resources(result, kind).values()]
+
+
+def helm_charts(result) -> dict[str, dict]:
+    return {p["Chart"]: p for p in props(result, HELM)}
+
+
+def values(chart) -> dict:
+    raw = chart["Values"]
+    return json.loads(raw if isinstance(raw, str) else "".join(p if isinstance(p, str) else "TOKEN"
+                                                                for p in raw["Fn::Join"][1]))
+
+
+def test_the_control_plane_is_private_and_public_to_the_configured_cidrs_logged_and_encrypted(example):
+    cluster = next(iter(resources(example, "AWS::EKS::Cluster").values()))["Properties"]
+    assert cluster["Name"] == "mltrain" and cluster["Version"] == "1.34"
+    access = cluster["ResourcesVpcConfig"]
+    assert access["EndpointPrivateAccess"] is True and access["EndpointPublicAccess"] is True
+    assert access["PublicAccessCidrs"] == ["203.0.113.0/24"]
+    types = {t["Type"] for t in cluster["Logging"]["ClusterLogging"]["EnabledTypes"]}
+    assert types == {"api", "audit", "authenticator", "controllerManager", "scheduler"}
+    assert cluster["EncryptionConfig"][0]["Resources"] == ["secrets"]
+    assert cluster["AccessConfig"]["AuthenticationMode"] in ("API", "API_AND_CONFIG_MAP")
+
+
+def test_admins_get_cluster_admin_access_entries(synth):
+    arn = "arn:aws:iam::123456789012:role/PlatformAdmin"
+    result = synth(config_variant(**{"cluster.admin_principal_arns": [arn]}))
+    entries = props(result, "AWS::EKS::AccessEntry")
+    admin = next(e for e in entries if e["PrincipalArn"] == arn)
+    assert "cluster-access-policy/AmazonEKSClusterAdminPolicy" in json.dumps(admin["AccessPolicies"][0]["PolicyArn"])
+
+
+def test_the_kubectl_layer_matches_the_kubernetes_version(example):
+    layers = props(example, "AWS::Lambda::LayerVersion")
+    assert any("kubectl" in (layer.get("Description") or "").lower() and "1.34" in layer["Description"]
+               for layer in layers), layers
+
+
+def test_accelerated_groups_and_the_file_system_share_the_one_compute_subnet(example):
+    groups = [p for p in props(example, "AWS::EKS::Nodegroup")
+              if p["Labels"].get("training-platform/node-role") == "accelerated"]
+    storage = example.template(example.platform.storage)
+    fs = next(iter(storage.find_resources("AWS::FSx::FileSystem").values()))["Properties"]
+    assert len(groups) == 2 and len(fs["SubnetIds"]) == 1
+    # Both name the network stack's compute subnet through the same published output.
+    for group in groups:
+        assert group["Subnets"] == fs["SubnetIds"]
+    assert "privateSubnet1Subnet" in json.dumps(fs["SubnetIds"])
+
+
+def test_system_nodes_carry_the_system_label_and_no_taint(example):
+    system = next(p for p in props(example, "AWS::EKS::Nodegroup")
+                  if p["Labels"].get("training-platform/node-role") == "system")
+    assert "Taints" not in system and system["AmiType"] == "AL2023_x86_64_STANDARD"
+    assert system["ScalingConfig"] == {"MinSize": 2, "DesiredSize": 2, "MaxSize": 4}
+
+
+def test_device_plugins_select_exactly_the_labels_and_tolerate_the_taints_the_node_groups_carry(example):
+    groups = {p["Labels"]["training-platform/accelerator"]: p for p in props(example, "AWS::EKS::Nodegroup")
+              if "training-platform/accelerator" in p["Labels"]}
+    charts = helm_charts(example)
+    nvidia, neuron, efa = (values(charts[c]) for c in ("nvidia-device-plugin", "neuron-helm-chart",
+                                                        "aws-efa-k8s-device-plugin"))
+    for label, value in nvidia["nodeSelector"].items():
+        assert groups["nvidia"]["Labels"][label] == value
+    assert {t["key"] for t in nvidia["tolerations"]} == {t["Key"] for t in groups["nvidia"]["Taints"]}
+    for label, value in neuron["devicePlugin"]["nodeSelector"].items():
+        assert groups["neuron"]["Labels"][label] == value
+    assert {t["key"] for t in neuron["devicePlugin"]["tolerations"]} == {t["Key"] for t in groups["neuron"]["Taints"]}
+    assert all(g["Labels"]["vpc.amazonaws.com/efa.present"] == "true" for g in groups.values())
+    assert efa["nodeSelector"] == {"vpc.amazonaws.com/efa.present": "true"}
+    assert {t["key"] for t in efa["tolerations"]} == {"nvidia.com/gpu", "aws.amazon.com/neuron"}
+
+
+def test_every_helm_chart_is_pinned_to_the_configured_version(example):
+    versions = example.config.versions
+    expected = {
+        "nvidia-device-plugin": versions.nvidia_device_plugin_chart,
+        "neuron-helm-chart": versions.neuron_chart,
+        "aws-efa-k8s-device-plugin": versions.efa_device_plugin_chart.lstrip("v"),
+        "volcano": versions.volcano_chart,
+        "cluster-autoscaler": versions.cluster_autoscaler_chart,
+        "aws-node-termination-handler": versions.node_termination_handler_chart,
+    }
+    assert {name: chart["Version"] for name, chart in helm_charts(example).items()} == expected
+
+
+def test_volcano_is_installed_without_the_enqueue_action(example):
+    policy = values(helm_charts(example)["volcano"])["custom"]["scheduler_config_override"]
+    assert policy.startswith("actions: allocate, backfill")
+
+
+def test_add_ons_and_their_pod_identity_roles(example):
+    addons = {p["AddonName"]: p for p in props(example, "AWS::EKS::Addon")}
+    assert set(addons) == {"eks-pod-identity-agent", "vpc-cni", "kube-proxy", "coredns", "aws-fsx-csi-driver",
+                           "amazon-cloudwatch-observability"}
+    accounts = {name: a["PodIdentityAssociations"][0]["ServiceAccount"] for name, a in addons.items()
+                if "PodIdentityAssociations" in a}
+    assert accounts == {"vpc-cni": "aws-node", "aws-fsx-csi-driver": "fsx-csi-controller-sa",
+                        "amazon-cloudwatch-observability": "cloudwatch-agent"}
+    # The FSx node plugin must run on the tainted GPU and Neuron nodes that mount the file system.
+    assert json.loads(addons["aws-fsx-csi-driver"]["ConfigurationValues"])["node"]["tolerations"] == [
+        {"operator": "Exists"}]
+    cloudwatch = json.loads(addons["amazon-cloudwatch-observability"]["ConfigurationValues"])
+    assert cloudwatch["agent"]["config"]["logs"]["metrics_collected"]["kubernetes"]["accelerated_compute_metrics"]
+
+
+def test_add_on_versions_are_pinned_from_config(synth):
+    result = synth(config_variant(**{"versions.addons": {"vpc-cni": "v1.20.4-eksbuild.1"}}))
+    addons = {p["AddonName"]: p for p in props(result, "AWS::EKS::Addon")}
+    assert addons["vpc-cni"]["AddonVersion"] == "v1.20.4-eksbuild.1"
+    assert "AddonVersion" not in addons["coredns"]
+
+
+def test_monitoring_can_be_turned_off(synth):
+    result = synth(config_variant(**{"monitoring.enabled": False}))
+    assert "amazon-cloudwatch-observability" not in {p["AddonName"] for p in props(result, "AWS::EKS::Addon")}
+
+
+def test_the_autoscaler_scales_idle_nodes_to_zero_after_the_configured_time_and_only_this_cluster(example):
+    autoscaler = values(helm_charts(example)["cluster-autoscaler"])
+    assert autoscaler["extraArgs"]["scale-down-unneeded-time"] == "10m"
+    assert autoscaler["autoDiscovery"]["clusterName"] == "mltrain"
+    policies = json.dumps(props(example, "AWS::IAM::Policy"))
+    assert '"aws:ResourceTag/k8s.io/cluster-autoscaler/mltrain": "owned"' in policies
+    tagging = [json.dumps(p["Create"]) for p in props(example, "Custom::AWS") if "createOrUpdateTags" in json.dumps(p)]
+    assert len(tagging) == 2 and all("node-template/resources/vpc.amazonaws.com/efa" in t for t in tagging)
+
+
+def test_spot_interruptions_reach_the_termination_handler_in_queue_mode(example):
+    handler = values(helm_charts(example)["aws-node-termination-handler"])
+    assert handler["enableSqsTerminationDraining"] is True and handler["queueURL"] == "TOKEN"
+    rules = {r["EventPattern"]["detail-type"][0] for r in props(example, "AWS::Events::Rule")}
+    assert "EC2 Spot Instance Interruption Warning" in rules and "EC2 Instance Rebalance Recommendation" in rules
+
+
+def test_platform_charts_are_applied_after_what_they_need(example):
+    manifests = resources(example, MANIFEST)
+    by_kind = {}
+    for logical_id, resource in manifests.items():
+        text = json.dumps(resource["Properties"]["Manifest"])
+        for kind in ("PersistentVolume", "Queue", "Deployment", "Namespace"):
+            if f'\\"kind\\":\\"{kind}\\"' in text:
+                by_kind.setdefault(kind, (logical_id, resource))
+    addons = {p_id for p_id, r in resources(example, "AWS::EKS::Addon").items()
+              if r["Properties"]["AddonName"] == "aws-fsx-csi-driver"}
+    volcano = {c_id for c_id, r in resources(example, HELM).items() if r["Properties"]["Chart"] == "volcano"}
+    assert addons & set(by_kind["PersistentVolume"][1]["DependsOn"])
+    assert volcano & set(by_kind["Queue"][1]["DependsOn"])
+
+
+def test_training_pods_get_the_trainer_role_and_only_the_buckets_prefixes(example):
+    association = next(p for p in props(example, "AWS::EKS::PodIdentityAssociation")
+                       if p["ServiceAccount"] == "trainer")
+    assert association["Namespace"] == "training"
+    storage = example.template(example.platform.storage)
+    statements = [s for p in storage.find_resources("AWS::IAM::Policy").values()
+                  if "TrainerRole" in json.dumps(p["Properties"]["Roles"])
+                  for s in p["Properties"]["PolicyDocument"]["Statement"]]
+    object_resources = json.dumps([s["Resource"] for s in statements])
+    assert "/datasets/*" in object_resources and "/checkpoints/*" in object_resources
+
+
+@pytest.mark.parametrize("instance_type", [t for t, f in CATALOG.items() if f.is_accelerated])
+def test_every_accelerated_type_synthesizes_as_a_node_group(synth, instance_type):
+    group = {"name": "g", "instance_type": instance_type, "min_size": 0, "desired_size": 0, "max_size": 2}
+    result = synth(config_variant(accelerated_node_groups=[group]))
+    launch = next(p for p in props(result, "AWS::EC2::LaunchTemplate")
+                  if p["LaunchTemplateData"].get("InstanceType") == instance_type)["LaunchTemplateData"]
+    assert len(launch.get("NetworkInterfaces", [])) == CATALOG[instance_type].efa_interfaces
