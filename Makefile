@@ -51,8 +51,9 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==26.3
 
-$(DEPLOY_STAMP): requirements.txt constraints.txt | $(VENV)/bin/python
+$(DEPLOY_STAMP): requirements.txt constraints.txt pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install --quiet -r requirements.txt -c constraints.txt
+	$(PY) -m pip install --quiet --no-deps -e .   # the trainctl command
 	touch $@
 
 $(TEST_STAMP): $(DEPLOY_STAMP) requirements-dev.txt training/requirements.txt constraints.txt

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 from tests.conftest import REPO
 
-PIN = re.compile(r"^[A-Za-z0-9_.\[\]-]+==[A-Za-z0-9_.+-]+$")
+PIN = re.compile(r"^[A-Za-z0-9_.-]+(\[[A-Za-z0-9_,.-]+\])?==[A-Za-z0-9_.+-]+$")
 
 
 def _requirement_lines(name: str) -> list[str]:
@@ -79,3 +80,13 @@ def test_readme_trainer_config_reference_covers_every_field():
     reference = readme[readme.index("### Trainer config reference") : readme.index("### Trainer images")]
     nested = [path for path in _field_paths(TrainConfig) if "." in path]
     assert nested and [path for path in nested if f"`{path}`" not in reference] == []
+
+
+def test_trainctl_is_a_declared_console_command():
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"trainctl": "trainctl.__main__:main"}
+    command = Path(sys.executable).parent / "trainctl"
+    result = subprocess.run([str(command), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "preflight" in result.stdout and "stage-data" in result.stdout

@@ -1,0 +1,176 @@
+"""trainctl's Kubernetes paths against a small API server on loopback that records every request."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from kubernetes import client
+
+from config import parse_config
+from k8s_charts.job_spec import load_job_spec
+from tests.conftest import REPO, example_data
+from trainctl.errors import UserError
+from trainctl.jobs import Jobs, pod_for_rank, render, render_yaml, status
+
+CONFIG = parse_config(example_data())
+SPEC = load_job_spec(REPO / "k8s_charts" / "examples" / "resnet50-p4d.yaml", CONFIG)
+JOBS_PATH = "/apis/batch.volcano.sh/v1alpha1/namespaces/training/jobs"
+RANK0_LOG = "\n".join([
+    "I1122 torchrun agent starting",
+    json.dumps({"event": "rendezvous", "time": 10.0, "world_size": 16, "restart_count": 1, "run_id": "x",
+                "attempt": "a1b2c3d4e5f6", "global_batch": 2048}),
+    json.dumps({"event": "resume", "time": 10.5, "step": 500, "epoch": 0, "offset": 1024000,
+                "checkpoint": "/fsx/checkpoints/resnet50-imagenet/step-000000500.pt"}),
+    json.dumps({"event": "step", "time": 20.0, "step": 510, "epoch": 0, "loss": 5.91, "lr": 0.8,
+                "samples_per_s": 40960.0, "samples_per_s_per_device": 2560.0, "step_time_s": 0.05,
+                "data_wait_pct": 1.2, "peak_memory_gib": 30.1, "world_size": 16, "restart_count": 1, "mfu": 0.41}),
+    json.dumps({"event": "checkpoint", "time": 21.0, "step": 1000,
+                "path": "/fsx/checkpoints/resnet50-imagenet/step-000001000.pt", "blocking_s": 0.3,
+                "asynchronous": True}),
+    json.dumps({"event": "step", "time": 22.0, "step": 1010, "epoch": 0, "loss": 4.87, "lr": 0.79,
+                "samples_per_s": 41200.5, "samples_per_s_per_device": 2575.0, "step_time_s": 0.0497,
+                "data_wait_pct": 1.1, "peak_memory_gib": 30.1, "world_size": 16, "restart_count": 1, "mfu": 0.41}),
+]) + "\n"
+
+
+class FakeApiServer:
+    """Answers like the API server for the few endpoints trainctl uses; ``forbid`` answers 403 to everything."""
+
+    def __init__(self):
+        self.requests: list[tuple[str, str, str, dict | None]] = []
+        self.jobs: dict[str, dict] = {}
+        self.forbid = False
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *_args):
+                pass
+
+            def _send(self, code, body, content_type="application/json"):
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _handle(self, method):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                path = self.path.split("?")[0]
+                server.requests.append((method, self.path, self.headers.get("Authorization", ""), body))
+                if server.forbid:
+                    return self._send(403, {"kind": "Status", "code": 403, "message": "forbidden"})
+                name = path.removeprefix(JOBS_PATH + "/") if path.startswith(JOBS_PATH + "/") else None
+                if path == JOBS_PATH and method == "GET":
+                    return self._send(200, {"items": list(server.jobs.values())})
+                if path == JOBS_PATH and method == "POST":
+                    server.jobs[body["metadata"]["name"]] = {**body, "status": {"state": {"phase": "Pending"}}}
+                    return self._send(201, body)
+                if name and method == "GET":
+                    return self._send(200, server.jobs[name]) if name in server.jobs else self._send(
+                        404, {"kind": "Status", "code": 404})
+                if name and method == "DELETE":
+                    server.jobs.pop(name, None)
+                    return self._send(200, {"kind": "Status", "status": "Success"})
+                if path == "/api/v1/namespaces/training/pods":
+                    return self._send(200, {"kind": "PodList", "apiVersion": "v1", "items": [
+                        pod(i) for i in range(2)]})
+                match = re.fullmatch(r"/api/v1/namespaces/training/pods/([\w-]+)/log", path)
+                if match:
+                    text = RANK0_LOG if match.group(1).endswith("-0") else "worker log\n"
+                    return self._send(200, text.encode(), "text/plain")
+                return self._send(404, {"kind": "Status", "code": 404})
+
+            def do_GET(self):
+                self._handle("GET")
+
+            def do_POST(self):
+                self._handle("POST")
+
+            def do_DELETE(self):
+                self._handle("DELETE")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+
+def pod(index: int) -> dict:
+    return {"metadata": {"name": f"resnet50-imagenet-worker-{index}", "namespace": "training"},
+            "spec": {"nodeName": f"ip-10-0-{index}-7.us-west-2.compute.internal", "containers": []},
+            "status": {"phase": "Running", "containerStatuses": [
+                {"name": "trainer", "restartCount": index, "ready": True, "image": "i", "imageID": "",
+                 "image_id": ""}]}}
+
+
+@pytest.fixture
+def api():
+    server = FakeApiServer()
+    configuration = client.Configuration()
+    configuration.host = server.url
+    configuration.api_key = {"authorization": "Bearer k8s-aws-v1.test-token"}
+    yield server, Jobs(client.ApiClient(configuration), "training")
+    server.httpd.shutdown()
+
+
+def test_submit_creates_the_volcano_job_with_the_bearer_token(api):
+    server, jobs = api
+    job = render(CONFIG, SPEC)[0]
+    assert jobs.submit(job) == "resnet50-imagenet"
+    method, path, auth, body = server.requests[-1]
+    assert (method, path, auth) == ("POST", JOBS_PATH, "Bearer k8s-aws-v1.test-token")
+    assert body["kind"] == "Job" and body["spec"]["minAvailable"] == 2
+
+
+def test_an_existing_name_is_refused_unless_replace(api):
+    server, jobs = api
+    job = render(CONFIG, SPEC)[0]
+    jobs.submit(job)
+    with pytest.raises(UserError, match="already exists"):
+        jobs.submit(job)
+    before = len(server.requests)
+    jobs.submit(job, replace=True)
+    calls = [(m, p.split("?")[0].removeprefix(JOBS_PATH)) for m, p, *_ in server.requests[before:]]
+    assert calls == [("GET", "/resnet50-imagenet"), ("GET", "/resnet50-imagenet"), ("DELETE", "/resnet50-imagenet"),
+                     ("POST", "")]
+
+
+def test_status_shows_phase_pods_rendezvous_last_metrics_and_newest_checkpoint(api, snapshot):
+    _, jobs = api
+    jobs.submit(render(CONFIG, SPEC)[0])
+    report = status(jobs, "resnet50-imagenet").format()
+    assert report == snapshot
+    assert "last step: 1010 (epoch 0), loss 4.87, 41200.5 samples/s" in report
+    assert "newest checkpoint: /fsx/checkpoints/resnet50-imagenet/step-000001000.pt (step 1000)" in report
+
+
+def test_list_cancel_and_logs_by_rank(api):
+    server, jobs = api
+    jobs.submit(render(CONFIG, SPEC)[0])
+    assert [j["metadata"]["name"] for j in jobs.list()] == ["resnet50-imagenet"]
+    assert pod_for_rank(jobs, "resnet50-imagenet", 1) == "resnet50-imagenet-worker-1"
+    assert jobs.log("resnet50-imagenet-worker-1") == "worker log\n"
+    with pytest.raises(UserError, match="pick a rank from 0 to 1"):
+        pod_for_rank(jobs, "resnet50-imagenet", 5)
+    jobs.cancel("resnet50-imagenet")
+    assert jobs.list() == []
+    with pytest.raises(UserError, match="no job"):
+        jobs.cancel("resnet50-imagenet")
+
+
+def test_a_missing_access_entry_is_one_line(api):
+    server, jobs = api
+    server.forbid = True
+    with pytest.raises(UserError) as caught:
+        jobs.list()
+    assert str(caught.value) == ("the cluster refused this identity (HTTP 403); fix: add your role to "
+                                 "cluster.admin_principal_arns and redeploy, or ask for an access entry")
+
+
+def test_render_golden(snapshot):
+    assert render_yaml(render(CONFIG, SPEC)) == snapshot
