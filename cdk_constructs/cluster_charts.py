@@ -14,7 +14,7 @@ from constructs import Construct
 from cdk_constructs.nag import acknowledge
 from cdk_constructs.pod_identity import PodIdentityRole
 from config import PlatformConfig
-from config.catalog import ACCELERATED_ROLE, NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
+from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
 from k8s_charts import volcano
 
 EKS_CHARTS = "https://aws.github.io/eks-charts"
@@ -141,6 +141,3 @@ class ClusterCharts(Construct):
                         "checkTagBeforeDraining": False,
                     })
         self.interruption_queue = queue
-
-
-__all__ = ["ACCELERATED_ROLE", "ClusterCharts", "ClusterChartsProps"]

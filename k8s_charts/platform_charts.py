@@ -43,12 +43,12 @@ class NamespacesChart(Chart):
 
     def __init__(self, scope: Construct, id: str, config: PlatformConfig):
         super().__init__(scope, id)
-        for namespace in (config.jobs.platform_namespace, config.jobs.namespace):
-            k8s_object(self, namespace, api_version="v1", kind="Namespace", metadata=_metadata(namespace))
+        namespaces = {name: k8s_object(self, name, api_version="v1", kind="Namespace", metadata=_metadata(name))
+                      for name in (config.jobs.platform_namespace, config.jobs.namespace)}
         account = k8s_object(self, "trainer", api_version="v1", kind="ServiceAccount",
                              metadata=_metadata(TRAINER_SERVICE_ACCOUNT, config.jobs.namespace),
                              automountServiceAccountToken=False)
-        account.add_dependency(*[c for c in self.node.children if c.node.id == config.jobs.namespace])
+        account.add_dependency(namespaces[config.jobs.namespace])
 
 
 class EtcdChart(Chart):

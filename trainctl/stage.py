@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +69,3 @@ def stage_data(source: Path, s3, bucket: str, prefix: str, progress=None, worker
     if bar is not None:
         bar.close()
     return result
-
-
-def cpu_count() -> int:
-    return os.cpu_count() or 4
