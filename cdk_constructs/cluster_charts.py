@@ -54,11 +54,14 @@ class ClusterCharts(Construct):
                             "devicePlugin": {"enabled": True,
                                              "nodeSelector": {ACCELERATOR_LABEL: Accelerator.NEURON.value},
                                              "tolerations": [_tolerate("aws.amazon.com/neuron")]},
-                            "scheduler": {"enabled": True, "nodeSelector": SYSTEM_NODES},
+                            # Off: the chart pins its scheduler extension to control-plane nodes
+                            # (node-role.kubernetes.io/master), which EKS has none of, and CDK drops the
+                            # null that would remove that selector. Jobs are placed by Volcano.
+                            "scheduler": {"enabled": False},
                         })
         if any(g.efa_enabled for g in config.accelerated_node_groups):
             self._chart("EfaDevicePlugin", "aws-efa-k8s-device-plugin", EKS_CHARTS,
-                        versions.efa_device_plugin_chart.lstrip("v"), "kube-system", {
+                        versions.efa_device_plugin_chart, "kube-system", {
                             "nodeSelector": {"vpc.amazonaws.com/efa.present": "true"},
                             "tolerations": [_tolerate("nvidia.com/gpu"), _tolerate("aws.amazon.com/neuron")],
                         })
@@ -131,7 +134,8 @@ class ClusterCharts(Construct):
                     "resource-level permissions; the handler only reads", finding="Resource::*")
         acknowledge(queue, "SQS3", "Interruption notices are useful for two minutes; a message the handler "
                     "cannot process is obsolete, so a dead-letter queue would only hold stale notices")
-        self._chart("NodeTerminationHandler", "aws-node-termination-handler", EKS_CHARTS,
+        self._chart("NodeTerminationHandler", "aws-node-termination-handler",
+                    "oci://public.ecr.aws/aws-ec2/helm/aws-node-termination-handler",
                     config.versions.node_termination_handler_chart, "kube-system", {
                         "enableSqsTerminationDraining": True,
                         "queueURL": queue.queue_url,

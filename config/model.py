@@ -311,7 +311,7 @@ class VersionsConfig(StrictModel):
     volcano_chart: SemVer = "1.15.1"
     nvidia_device_plugin_chart: SemVer = "0.17.1"
     neuron_chart: SemVer = "1.1.2"
-    efa_device_plugin_chart: SemVer = "v0.5.7"
+    efa_device_plugin_chart: SemVer = "v0.5.20"
     cluster_autoscaler_chart: SemVer = "9.50.0"
     node_termination_handler_chart: SemVer = "0.27.2"
     # EKS add-on versions, e.g. {"vpc-cni": "v1.20.4-eksbuild.1"}. An add-on left out gets EKS's

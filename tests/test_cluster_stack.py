@@ -97,6 +97,7 @@ def test_device_plugins_select_exactly_the_labels_and_tolerate_the_taints_the_no
     for label, value in neuron["devicePlugin"]["nodeSelector"].items():
         assert groups["neuron"]["Labels"][label] == value
     assert {t["key"] for t in neuron["devicePlugin"]["tolerations"]} == {t["Key"] for t in groups["neuron"]["Taints"]}
+    assert neuron["scheduler"] == {"enabled": False}  # see cluster_charts.py: it could not be scheduled on EKS
     assert all(g["Labels"]["vpc.amazonaws.com/efa.present"] == "true" for g in groups.values())
     assert efa["nodeSelector"] == {"vpc.amazonaws.com/efa.present": "true"}
     assert {t["key"] for t in efa["tolerations"]} == {"nvidia.com/gpu", "aws.amazon.com/neuron"}
@@ -107,7 +108,7 @@ def test_every_helm_chart_is_pinned_to_the_configured_version(example):
     expected = {
         "nvidia-device-plugin": versions.nvidia_device_plugin_chart,
         "neuron-helm-chart": versions.neuron_chart,
-        "aws-efa-k8s-device-plugin": versions.efa_device_plugin_chart.lstrip("v"),
+        "aws-efa-k8s-device-plugin": versions.efa_device_plugin_chart,
         "volcano": versions.volcano_chart,
         "cluster-autoscaler": versions.cluster_autoscaler_chart,
         "aws-node-termination-handler": versions.node_termination_handler_chart,
