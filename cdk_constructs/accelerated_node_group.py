@@ -19,10 +19,11 @@ from constructs import Construct
 from cdk_constructs.efa_launch_template import EfaLaunchTemplate, EfaLaunchTemplateProps
 from cdk_constructs.nag import account_in_finding, acknowledge
 from config import AcceleratedNodeGroupConfig
-from config.catalog import ACCELERATED_ROLE, INSTANCE_TYPE_LABEL, NODE_ROLE_LABEL
+from config.catalog import (
+    ACCELERATED_ROLE, ACCELERATOR_LABEL, EFA_PRESENT_LABEL, INSTANCE_TYPE_LABEL, NODE_GROUP_LABEL, NODE_ROLE_LABEL,
+)
 
 CA_TEMPLATE = "k8s.io/cluster-autoscaler/node-template"
-EFA_PRESENT_LABEL = "vpc.amazonaws.com/efa.present"
 
 
 def node_labels(group: AcceleratedNodeGroupConfig) -> dict[str, str]:
@@ -30,8 +31,8 @@ def node_labels(group: AcceleratedNodeGroupConfig) -> dict[str, str]:
     instance = group.instance
     return {
         NODE_ROLE_LABEL: ACCELERATED_ROLE,
-        "training-platform/accelerator": instance.accelerator.value,
-        "training-platform/node-group": group.name,
+        ACCELERATOR_LABEL: instance.accelerator.value,
+        NODE_GROUP_LABEL: group.name,
         EFA_PRESENT_LABEL: "true" if group.efa_enabled else "false",
     }
 

@@ -14,12 +14,11 @@ from constructs import Construct
 from cdk_constructs.nag import acknowledge
 from cdk_constructs.pod_identity import PodIdentityRole
 from config import PlatformConfig
-from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
+from config.catalog import ACCELERATOR_LABEL, EFA_PRESENT_LABEL, NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
 from k8s_charts import volcano
 
 EKS_CHARTS = "https://aws.github.io/eks-charts"
 SYSTEM_NODES = {NODE_ROLE_LABEL: SYSTEM_ROLE}
-ACCELERATOR_LABEL = "training-platform/accelerator"
 
 
 def _tolerate(key: str) -> dict:
@@ -62,7 +61,7 @@ class ClusterCharts(Construct):
         if any(g.efa_enabled for g in config.accelerated_node_groups):
             self._chart("EfaDevicePlugin", "aws-efa-k8s-device-plugin", EKS_CHARTS,
                         versions.efa_device_plugin_chart, "kube-system", {
-                            "nodeSelector": {"vpc.amazonaws.com/efa.present": "true"},
+                            "nodeSelector": {EFA_PRESENT_LABEL: "true"},
                             "tolerations": [_tolerate("nvidia.com/gpu"), _tolerate("aws.amazon.com/neuron")],
                         })
         self.volcano = self._chart("Volcano", "volcano", "https://volcano-sh.github.io/helm-charts",

@@ -29,6 +29,9 @@ EFA_RESOURCE = "vpc.amazonaws.com/efa"
 NODE_ROLE_LABEL = "training-platform/node-role"
 SYSTEM_ROLE, ACCELERATED_ROLE = "system", "accelerated"
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+ACCELERATOR_LABEL = "training-platform/accelerator"  # nvidia | neuron: device plugins select on it
+NODE_GROUP_LABEL = "training-platform/node-group"
+EFA_PRESENT_LABEL = "vpc.amazonaws.com/efa.present"  # the EFA device plugin selects on it
 
 _AMI_BY_ACCELERATOR = {
     Accelerator.NONE: AMI_STANDARD,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aws_cdk import App, Environment, Tags, Validations
 from cdk_nag import AwsSolutionsChecks
@@ -13,6 +14,9 @@ from stacks.cluster_stack import ClusterStack
 from stacks.network_stack import NetworkStack
 from stacks.registry_stack import RegistryStack
 from stacks.storage_stack import StorageStack
+
+if TYPE_CHECKING:
+    from stacks.pipeline_stack import PipelineStack
 
 
 @dataclass(frozen=True)
