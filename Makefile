@@ -22,6 +22,16 @@ export CDK_DISABLE_CLI_TELEMETRY := true
 export AWS_EC2_METADATA_DISABLED := true
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
+# On CI (CI=true) every locked package comes from the package registry alone, with pip's
+# cache off: no local find-links, extra index or pip.conf can make a lock pass there that a
+# fresh clone elsewhere could not install. torch is the exception: its PyPI build for Linux is
+# the CUDA one, so it is installed first from wherever this machine's pip finds the pinned
+# version (a CPU wheel), and the lock's install then finds it satisfied.
+ifeq ($(CI),true)
+REGISTRY_ONLY := env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL PIP_CONFIG_FILE=/dev/null PIP_NO_CACHE_DIR=1
+endif
+TORCH_PIN := $(shell grep -E '^torch==' training/requirements.txt)
+
 DEPLOY_STAMP := $(VENV)/.installed-deploy
 TEST_STAMP := $(VENV)/.installed-test
 NODE_STAMP := node_modules/.installed
@@ -52,12 +62,13 @@ $(VENV)/bin/python:
 	$(PY) -m pip install --quiet --upgrade pip==26.3
 
 $(DEPLOY_STAMP): requirements.txt constraints.txt pyproject.toml | $(VENV)/bin/python
-	$(PY) -m pip install --quiet -r requirements.txt -c constraints.txt
+	$(REGISTRY_ONLY) $(PY) -m pip install --quiet -r requirements.txt -c constraints.txt
 	$(PY) -m pip install --quiet --no-deps -e .   # the trainctl command
 	touch $@
 
 $(TEST_STAMP): $(DEPLOY_STAMP) requirements-dev.txt training/requirements.txt constraints.txt
-	$(PY) -m pip install --quiet -r requirements-dev.txt -c constraints.txt
+	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(REGISTRY_ONLY) $(PY) -m pip install --quiet -r requirements-dev.txt -c constraints.txt
 	touch $@
 
 $(NODE_STAMP): package.json package-lock.json
@@ -77,10 +88,15 @@ system-packages:
 
 # Re-lock every transitive Python dependency after editing a requirements file. torch is
 # left to training/requirements.txt: its wheel's local tag (+cpu, +cu12x) depends on the machine.
+# `pip list --format=freeze` writes name==version for every package, also for one installed
+# from a local wheel or URL, where `pip freeze` writes `name @ file:///...`: a lock that names a
+# path installs only on the machine that made it.
 lock: $(TEST_STAMP)
-	{ echo "# Full lock of the Python environment (pip freeze of requirements-dev.txt), applied with -c."; \
+	{ echo "# Full lock of the Python environment (every package of requirements-dev.txt), applied with -c."; \
 	  echo "# Regenerate after changing a requirements file: make lock"; \
-	  $(PY) -m pip freeze --exclude-editable | grep -viE '^(torch)==' | sort -f; } > constraints.txt
+	  $(PY) -m pip list --format=freeze --exclude-editable | grep -viE '^(torch|pip|setuptools|wheel)==' | sort -f; \
+	} > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(OUT) $(DIST) .pytest_cache

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from aws_cdk import ArnFormat, Stack, aws_ec2 as ec2, aws_eks_v2 as eks, aws_iam as iam, custom_resources as cr
 from constructs import Construct
 
-from cdk_constructs.efa_launch_template import EfaLaunchTemplate, EfaLaunchTemplateProps
+from cdk_constructs.autoscaled_size import AutoscaledSize, AutoscaledSizeProps
+from cdk_constructs.efa_launch_template import CapacityReservation, EfaLaunchTemplate, EfaLaunchTemplateProps
 from cdk_constructs.nag import account_in_finding, acknowledge
 from config import AcceleratedNodeGroupConfig
 from config.catalog import (
-    ACCELERATED_ROLE, ACCELERATOR_LABEL, EFA_PRESENT_LABEL, INSTANCE_TYPE_LABEL, NODE_GROUP_LABEL, NODE_ROLE_LABEL,
+    ACCELERATED_ROLE, ACCELERATOR_LABEL, EFA_PRESENT_LABEL, GPU_TYPE_LABEL, INSTANCE_TYPE_LABEL, NODE_GROUP_LABEL,
+    NODE_ROLE_LABEL,
 )
 
 CA_TEMPLATE = "k8s.io/cluster-autoscaler/node-template"
@@ -29,12 +31,15 @@ CA_TEMPLATE = "k8s.io/cluster-autoscaler/node-template"
 def node_labels(group: AcceleratedNodeGroupConfig) -> dict[str, str]:
     """Labels every node of the group carries (device plugins and jobs select on them)."""
     instance = group.instance
-    return {
+    labels = {
         NODE_ROLE_LABEL: ACCELERATED_ROLE,
         ACCELERATOR_LABEL: instance.accelerator.value,
         NODE_GROUP_LABEL: group.name,
         EFA_PRESENT_LABEL: "true" if group.efa_enabled else "false",
     }
+    if instance.gpu_type:
+        labels[GPU_TYPE_LABEL] = instance.gpu_type
+    return labels
 
 
 def node_taint(group: AcceleratedNodeGroupConfig) -> tuple[str, str, str]:
@@ -72,24 +77,33 @@ class AcceleratedNodeGroup(Construct):
         if group.placement_group:
             placement = ec2.CfnPlacementGroup(self, "PlacementGroup", strategy="cluster")
             placement_name = placement.ref
+        reservation = group.capacity_reservation
         self.launch_template = EfaLaunchTemplate(self, "LaunchTemplate", EfaLaunchTemplateProps(
             instance=instance,
             efa=group.efa_enabled,
             security_group_ids=[props.node_security_group.security_group_id,
                                 props.cluster.cluster_security_group_id],
             placement_group_name=placement_name,
+            efa_only_secondary=group.efa_only_interfaces,
+            capacity_reservation=CapacityReservation(reservation.id, reservation.kind == "capacity_block")
+            if reservation else None,
         ))
+        size = AutoscaledSize(self, "DesiredSize", AutoscaledSizeProps(
+            cluster=props.cluster, label_key=NODE_GROUP_LABEL, label_value=group.name,
+            min_size=group.min_size, max_size=group.max_size, initial_size=group.desired_size,
+            generation=self.launch_template.version))
         key, value, _ = node_taint(group)
+        capacity = "CAPACITY_BLOCK" if reservation and reservation.kind == "capacity_block" else group.capacity_type.value
         self.nodegroup = eks.Nodegroup(
             self, "Nodegroup",
             cluster=props.cluster,
             ami_type=eks.NodegroupAmiType[instance.ami_type.upper()],
-            capacity_type=eks.CapacityType[group.capacity_type.value],
+            capacity_type=eks.CapacityType[capacity],
             launch_template_spec=eks.LaunchTemplateSpec(
                 id=self.launch_template.launch_template_id, version=self.launch_template.version),
             subnets=ec2.SubnetSelection(subnets=[props.subnet]),
             node_role=props.node_role,
-            min_size=group.min_size, desired_size=group.desired_size, max_size=group.max_size,
+            min_size=group.min_size, desired_size=size.desired_size, max_size=group.max_size,
             labels=node_labels(group),
             taints=[eks.TaintSpec(key=key, value=value, effect=eks.TaintEffect.NO_SCHEDULE)],
         )

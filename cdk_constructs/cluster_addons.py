@@ -10,6 +10,7 @@ from constructs import Construct
 
 from cdk_constructs.nag import acknowledge
 from cdk_constructs.pod_identity import PodIdentityRole
+from config.versions import addon_version
 
 # Tolerate every taint: the FSx node plugin must run exactly on the tainted GPU and Neuron
 # nodes that mount the file system, and the agents must report from them.
@@ -19,7 +20,8 @@ TOLERATE_ALL = [{"operator": "Exists"}]
 @dataclass(frozen=True)
 class ClusterAddonsProps:
     cluster: eks.Cluster
-    versions: dict[str, str]  # add-on name -> pinned version; absent: EKS's default for the cluster
+    kubernetes_version: str
+    versions: dict[str, str]  # add-on name -> pinned version (config); else config/versions.py, else EKS's default
     file_system_arn: str
     monitoring: bool
 
@@ -31,9 +33,15 @@ class ClusterAddons(Construct):
         self.pod_identity_agent = self._addon("eks-pod-identity-agent")
         cni = self._role("VpcCni", "kube-system", "aws-node", "VPC CNI: assigns pod IP addresses",
                          managed=["AmazonEKS_CNI_Policy"])
-        self._addon("vpc-cni", roles=[cni])
+        # Node groups wait for it: nodes must come up with the pinned CNI (EFA-only interfaces need it).
+        self.vpc_cni = self._addon("vpc-cni", roles=[cni])
         self._addon("kube-proxy")
         self._addon("coredns")
+        # gp3 volumes for etcd's data (the platform's StorageClass names this driver).
+        ebs = self._role("EbsCsi", "kube-system", "ebs-csi-controller-sa",
+                         "EBS CSI driver: creates and attaches the platform's gp3 volumes",
+                         managed=["service-role/AmazonEBSCSIDriverPolicy"])
+        self.ebs_csi = self._addon("aws-ebs-csi-driver", roles=[ebs])
         fsx = self._role("FsxCsi", "kube-system", "fsx-csi-controller-sa",
                          "FSx CSI driver: the file system is bound statically; the driver only describes it")
         fsx.role.add_to_policy(iam.PolicyStatement(actions=["fsx:DescribeFileSystems"],
@@ -65,7 +73,7 @@ class ClusterAddons(Construct):
             self, name,
             addon_name=name,
             cluster_name=self._props.cluster.cluster_name,
-            addon_version=self._props.versions.get(name),
+            addon_version=addon_version(self._props.kubernetes_version, name, self._props.versions),
             # The platform owns these settings; an upgrade overwrites hand edits.
             resolve_conflicts="OVERWRITE",
             configuration_values=json.dumps(configuration) if configuration else None,

@@ -1,15 +1,17 @@
 """Pinned upstream Helm charts the platform installs through the cluster's kubectl provider.
 
 Device plugins run only where their device is and tolerate that node's taint; the
-controllers run on system nodes.
+controllers run on system nodes. What each chart does with our values was read in the chart
+at its pinned tag (tests/upstream_charts.py holds those facts and the tests hold us to them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from aws_cdk import Duration, aws_eks_v2 as eks, aws_events as events, aws_events_targets as targets, aws_iam as iam, aws_sqs as sqs
-from constructs import Construct
+from aws_cdk import Duration, aws_eks_v2 as eks, aws_iam as iam
+from constructs import Construct, IConstruct
 
 from cdk_constructs.nag import acknowledge
 from cdk_constructs.pod_identity import PodIdentityRole
@@ -19,16 +21,38 @@ from k8s_charts import volcano
 
 EKS_CHARTS = "https://aws.github.io/eks-charts"
 SYSTEM_NODES = {NODE_ROLE_LABEL: SYSTEM_ROLE}
+# Volcano's scheduler creates this queue through the API, past the queue admission webhooks
+# (pkg/scheduler/cache/cache.go newDefaultAndRootQueue, v1.15.1), which fail closed until the
+# webhook server serves. Its existence proves the webhooks admit queues.
+VOLCANO_DEFAULT_QUEUE = "default"
 
 
 def _tolerate(key: str) -> dict:
     return {"key": key, "operator": "Exists", "effect": "NoSchedule"}
 
 
+def require_label(key: str, *values: str) -> dict:
+    """A required node affinity of one term: ``key`` In ``values``."""
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": key, "operator": "In", "values": list(values)}]}]}}}
+
+
+def nulls(values: Any, path: str = "") -> list[str]:
+    """Paths of every null in a Helm values tree. CDK drops nulls, so the chart's default stays."""
+    if values is None:
+        return [path or "<root>"]
+    if isinstance(values, dict):
+        return [p for key, value in values.items() for p in nulls(value, f"{path}.{key}" if path else str(key))]
+    if isinstance(values, list):
+        return [p for i, value in enumerate(values) for p in nulls(value, f"{path}[{i}]")]
+    return []
+
+
 @dataclass(frozen=True)
 class ClusterChartsProps:
     cluster: eks.Cluster
     config: PlatformConfig
+    system_nodes: IConstruct  # controllers are installed once their nodes exist
 
 
 class ClusterCharts(Construct):
@@ -36,47 +60,93 @@ class ClusterCharts(Construct):
         super().__init__(scope, id)
         self._cluster, config = props.cluster, props.config
         self._cluster_name = config.name_prefix  # literal: it appears in IAM condition keys
+        # Release name -> the values given to Helm (the tests read them).
+        self.releases: dict[str, dict] = {}
         versions = config.versions
         families = {g.instance.accelerator for g in config.accelerated_node_groups}
+        # DaemonSet name -> its chart; each is checked after deploy (see _check_device_plugins).
+        plugins: dict[str, eks.HelmChart] = {}
         if Accelerator.NVIDIA in families:
-            self._chart("NvidiaDevicePlugin", "nvidia-device-plugin", "https://nvidia.github.io/k8s-device-plugin",
+            plugins["nvidia-device-plugin"] = self._chart("NvidiaDevicePlugin", "nvidia-device-plugin", "https://nvidia.github.io/k8s-device-plugin",
                         versions.nvidia_device_plugin_chart, "kube-system", {
-                            # The chart's default affinity wants GPU feature labels EKS nodes do not carry.
-                            "affinity": None,
+                            # Chart 0.17.1's default affinity requires NFD's PCI labels, which EKS managed
+                            # nodes never carry (deployments/helm/nvidia-device-plugin/values.yaml, v0.17.1).
+                            # A null cannot remove it (CDK drops nulls); Helm replaces lists, so this term
+                            # list replaces the chart's three.
+                            "affinity": require_label(ACCELERATOR_LABEL, Accelerator.NVIDIA.value),
                             "nodeSelector": {ACCELERATOR_LABEL: Accelerator.NVIDIA.value},
                             "tolerations": [_tolerate("nvidia.com/gpu")],
                         })
         if Accelerator.NEURON in families:
-            self._chart("Neuron", "neuron-helm-chart", "oci://public.ecr.aws/neuron/neuron-helm-chart",
+            # Chart 1.1.2 keeps its own affinity (instance type among its Neuron types, not Fargate,
+            # hybrid or Auto Mode); our selector narrows it to the platform's Neuron groups.
+            plugins["neuron-device-plugin"] = self._chart("Neuron", "neuron-helm-chart", "oci://public.ecr.aws/neuron/neuron-helm-chart",
                         versions.neuron_chart, "kube-system", {
                             "npd": {"enabled": False},
                             "devicePlugin": {"enabled": True,
                                              "nodeSelector": {ACCELERATOR_LABEL: Accelerator.NEURON.value},
                                              "tolerations": [_tolerate("aws.amazon.com/neuron")]},
-                            # Off: the chart pins its scheduler extension to control-plane nodes
-                            # (node-role.kubernetes.io/master), which EKS has none of, and CDK drops the
-                            # null that would remove that selector. Jobs are placed by Volcano.
+                            # Off (the chart's default too): jobs are placed by Volcano.
                             "scheduler": {"enabled": False},
                         })
         if any(g.efa_enabled for g in config.accelerated_node_groups):
-            self._chart("EfaDevicePlugin", "aws-efa-k8s-device-plugin", EKS_CHARTS,
+            # The chart's template adds a required affinity on its list of EFA instance types.
+            plugins["aws-efa-k8s-device-plugin"] = self._chart("EfaDevicePlugin", "aws-efa-k8s-device-plugin", EKS_CHARTS,
                         versions.efa_device_plugin_chart, "kube-system", {
                             "nodeSelector": {EFA_PRESENT_LABEL: "true"},
                             "tolerations": [_tolerate("nvidia.com/gpu"), _tolerate("aws.amazon.com/neuron")],
                         })
-        self.volcano = self._chart("Volcano", "volcano", "https://volcano-sh.github.io/helm-charts",
-                                   versions.volcano_chart, "volcano-system", volcano.helm_values())
-        self._autoscaler(config)
-        self._termination_handler(config)
+        self.volcano = self._volcano(config, props.system_nodes)
+        self._autoscaler(config, props.system_nodes)
+        self.device_plugin_checks = self._check_device_plugins(plugins)
 
-    def _chart(self, id: str, chart: str, repository: str, version: str, namespace: str, values: dict) -> eks.HelmChart:
+    def _check_device_plugins(self, plugins: dict[str, eks.HelmChart]) -> list[eks.KubernetesObjectValue]:
+        """Each plugin's DaemonSet exists and its controller has reconciled it (a deploy fails otherwise).
+
+        With no accelerated node up, ready is vacuous; where the DaemonSets may run is held to
+        the node groups' labels offline (tests/test_first_deploy.py).
+        """
+        checks = []
+        for name, chart in plugins.items():
+            check = eks.KubernetesObjectValue(
+                self, f"Check-{name}", cluster=self._cluster, object_type="daemonset", object_name=name,
+                object_namespace="kube-system", json_path=".status.observedGeneration", timeout=Duration.minutes(5))
+            check.node.add_dependency(chart)
+            checks.append(check)
+        return checks
+
+    def _chart(self, id: str, chart: str, repository: str, version: str, namespace: str, values: dict,
+               wait: bool = False) -> eks.HelmChart:
+        found = nulls(values)
+        if found:
+            raise ValueError(f"Helm values of {chart} hold null at {', '.join(found)}: CDK drops nulls, so the "
+                             "chart's default would stay; give the value explicitly")
+        self.releases[chart] = values
         # An explicit release name: `helm list` shows the chart's own name, wherever the stack is deployed.
         return self._cluster.add_helm_chart(id, chart=chart, repository=repository, version=version,
                                             release=chart, namespace=namespace, create_namespace=True, values=values,
-                                            wait=False, timeout=Duration.minutes(10))
+                                            wait=wait, timeout=Duration.minutes(15))
 
-    def _autoscaler(self, config: PlatformConfig) -> None:
-        """cluster-autoscaler, allowed to resize only this cluster's node groups."""
+    def _volcano(self, config: PlatformConfig, system_nodes: IConstruct) -> IConstruct:
+        """Volcano on system nodes, installed with wait; done once its admission webhooks admit queues.
+
+        The chart's webhooks fail closed (failurePolicy: Fail, templates/webhooks.yaml, v1.15.1)
+        and the CDK kubectl handler retries only i/o timeouts, so an object applied before the
+        webhook server serves would roll the stack back.
+        """
+        chart = self._chart("Volcano", "volcano", "https://volcano-sh.github.io/helm-charts",
+                            config.versions.volcano_chart, "volcano-system",
+                            volcano.helm_values(SYSTEM_NODES), wait=True)
+        chart.node.add_dependency(system_nodes)
+        serving = eks.KubernetesObjectValue(
+            self, "VolcanoAdmissionServing", cluster=self._cluster, object_type="queues.scheduling.volcano.sh",
+            object_name=VOLCANO_DEFAULT_QUEUE, object_namespace="default", json_path=".metadata.uid",
+            timeout=Duration.minutes(10))
+        serving.node.add_dependency(chart)
+        return serving
+
+    def _autoscaler(self, config: PlatformConfig, system_nodes: IConstruct) -> None:
+        """cluster-autoscaler of the cluster's minor, allowed to resize only this cluster's node groups."""
         sa = "cluster-autoscaler"
         role = PodIdentityRole(self, "AutoscalerIdentity", cluster=self._cluster, namespace="kube-system",
                                service_account=sa, description="cluster-autoscaler: resizes this cluster's groups")
@@ -98,49 +168,18 @@ class ClusterCharts(Construct):
                     "permissions; the two that change capacity are limited by a condition to groups tagged as "
                     "owned by this cluster", finding="Resource::*")
         minutes = f"{config.cluster.scale_down_idle_minutes}m"
-        self._chart("ClusterAutoscaler", "cluster-autoscaler", "https://kubernetes.github.io/autoscaler",
-                    config.versions.cluster_autoscaler_chart, "kube-system", {
-                        "autoDiscovery": {"clusterName": self._cluster_name},
-                        "awsRegion": config.region,
-                        "rbac": {"serviceAccount": {"create": True, "name": sa}},
-                        "nodeSelector": SYSTEM_NODES,
-                        "extraArgs": {
-                            "scale-down-unneeded-time": minutes,
-                            "scale-down-delay-after-add": minutes,
-                            "skip-nodes-with-local-storage": False,
-                            "balance-similar-node-groups": True,
-                            "expander": "least-waste",
-                        },
-                    })
-
-    def _termination_handler(self, config: PlatformConfig) -> None:
-        """AWS Node Termination Handler in queue mode: spot notices and rebalance hints drain the node."""
-        queue = sqs.Queue(self, "InterruptionQueue", retention_period=Duration.minutes(5),
-                          encryption=sqs.QueueEncryption.SQS_MANAGED, enforce_ssl=True)
-        for name, detail_type in (("SpotInterruption", "EC2 Spot Instance Interruption Warning"),
-                                  ("Rebalance", "EC2 Instance Rebalance Recommendation"),
-                                  ("StateChange", "EC2 Instance State-change Notification")):
-            events.Rule(self, name, event_pattern=events.EventPattern(source=["aws.ec2"], detail_type=[detail_type]),
-                        targets=[targets.SqsQueue(queue)])
-        sa = "aws-node-termination-handler"
-        role = PodIdentityRole(self, "TerminationHandlerIdentity", cluster=self._cluster, namespace="kube-system",
-                               service_account=sa, description="Node Termination Handler: reads the interruption queue")
-        queue.grant_consume_messages(role.role)
-        role.role.add_to_policy(iam.PolicyStatement(
-            actions=["ec2:DescribeInstances", "autoscaling:DescribeAutoScalingInstances", "autoscaling:DescribeTags"],
-            resources=["*"]))
-        acknowledge(role.role, "IAM5", "ec2:DescribeInstances and the autoscaling Describe calls have no "
-                    "resource-level permissions; the handler only reads", finding="Resource::*")
-        acknowledge(queue, "SQS3", "Interruption notices are useful for two minutes; a message the handler "
-                    "cannot process is obsolete, so a dead-letter queue would only hold stale notices")
-        self._chart("NodeTerminationHandler", "aws-node-termination-handler",
-                    "oci://public.ecr.aws/aws-ec2/helm/aws-node-termination-handler",
-                    config.versions.node_termination_handler_chart, "kube-system", {
-                        "enableSqsTerminationDraining": True,
-                        "queueURL": queue.queue_url,
-                        "awsRegion": config.region,
-                        "serviceAccount": {"create": True, "name": sa},
-                        "nodeSelector": SYSTEM_NODES,
-                        "checkTagBeforeDraining": False,
-                    })
-        self.interruption_queue = queue
+        chart = self._chart("ClusterAutoscaler", "cluster-autoscaler", "https://kubernetes.github.io/autoscaler",
+                            config.cluster_autoscaler_chart, "kube-system", {
+                                "autoDiscovery": {"clusterName": self._cluster_name},
+                                "awsRegion": config.region,
+                                "rbac": {"serviceAccount": {"create": True, "name": sa}},
+                                "nodeSelector": SYSTEM_NODES,
+                                "extraArgs": {
+                                    "scale-down-unneeded-time": minutes,
+                                    "scale-down-delay-after-add": minutes,
+                                    "skip-nodes-with-local-storage": False,
+                                    "balance-similar-node-groups": True,
+                                    "expander": "least-waste",
+                                },
+                            })
+        chart.node.add_dependency(system_nodes)

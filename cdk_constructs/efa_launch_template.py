@@ -1,9 +1,12 @@
 """A launch template for accelerated EKS nodes: one EFA interface per network card, IMDSv2, encrypted gp3.
 
 The interface layout follows EC2's rules for multi-card instances: card 0 carries the
-primary interface (device index 0), every other card one interface at device index 1. Each
-interface lists its security groups in ``Groups``. This replaces the group EKS would attach
-by itself, so the cluster security group is listed too.
+primary interface (an EFA with its ENA device, device index 0). Every other card carries one
+interface: an EFA-only interface at device index 0 on the types whose secondary cards take them
+(p5, p5e, p5en, trn2: EC2 User Guide, "Maximize network bandwidth on Amazon EC2 instances with
+multiple network cards"), which has no IP address and so takes none from the subnet; elsewhere
+an EFA at device index 1. Each interface lists its security groups in ``Groups``. This replaces
+the group EKS would attach by itself, so the cluster security group is listed too.
 """
 
 from __future__ import annotations
@@ -21,18 +24,28 @@ ROOT_DEVICE = "/dev/xvda"  # AL2023 EKS AMIs
 L = ec2.CfnLaunchTemplate
 
 
-def efa_interfaces(count: int, security_group_ids: list[str]) -> list[L.NetworkInterfaceProperty]:
+def efa_interfaces(count: int, security_group_ids: list[str], efa_only_secondary: bool = False
+                   ) -> list[L.NetworkInterfaceProperty]:
     """``count`` EFA interfaces, one per network card."""
-    return [
-        L.NetworkInterfaceProperty(
+    def interface(card: int) -> L.NetworkInterfaceProperty:
+        efa_only = card > 0 and efa_only_secondary
+        return L.NetworkInterfaceProperty(
             network_card_index=card,
-            device_index=0 if card == 0 else 1,
-            interface_type="efa",
+            device_index=0 if card == 0 or efa_only else 1,
+            interface_type="efa-only" if efa_only else "efa",
             delete_on_termination=True,
             groups=security_group_ids,
         )
-        for card in range(count)
-    ]
+
+    return [interface(card) for card in range(count)]
+
+
+@dataclass(frozen=True)
+class CapacityReservation:
+    """Launch into reserved capacity: a Capacity Block for ML or an On-Demand Capacity Reservation."""
+
+    reservation_id: str
+    capacity_block: bool
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,8 @@ class EfaLaunchTemplateProps:
     security_group_ids: list[str]  # the node group (EFA) and the EKS cluster security groups
     placement_group_name: str | None
     root_volume_gib: int = 200  # CUDA / Neuron images are large
+    efa_only_secondary: bool = False
+    capacity_reservation: CapacityReservation | None = None
 
 
 class EfaLaunchTemplate(Construct):
@@ -62,10 +77,12 @@ class EfaLaunchTemplate(Construct):
                 ebs=L.EbsProperty(volume_size=props.root_volume_gib, volume_type="gp3", encrypted=True,
                                   delete_on_termination=True))],
             # Without EFA, EKS creates the interfaces itself and the groups go on the template.
-            network_interfaces=efa_interfaces(self.efa_interfaces, props.security_group_ids) or None,
+            network_interfaces=efa_interfaces(self.efa_interfaces, props.security_group_ids,
+                                              props.efa_only_secondary) or None,
             security_group_ids=None if self.efa_interfaces else props.security_group_ids,
             placement=L.PlacementProperty(group_name=props.placement_group_name)
             if props.placement_group_name else None,
+            **_reserved(props.capacity_reservation),
         )
         self.resource = L(self, "Resource", launch_template_data=data)
 
@@ -76,3 +93,15 @@ class EfaLaunchTemplate(Construct):
     @property
     def version(self) -> str:
         return self.resource.attr_latest_version_number
+
+
+def _reserved(reservation: CapacityReservation | None) -> dict:
+    """Launch template fields that target a reservation (EKS User Guide, "Capacity Blocks for ML")."""
+    if reservation is None:
+        return {}
+    fields = {"capacity_reservation_specification": L.CapacityReservationSpecificationProperty(
+        capacity_reservation_target=L.CapacityReservationTargetProperty(
+            capacity_reservation_id=reservation.reservation_id))}
+    if reservation.capacity_block:
+        fields["instance_market_options"] = L.InstanceMarketOptionsProperty(market_type="capacity-block")
+    return fields

@@ -32,6 +32,11 @@ INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 ACCELERATOR_LABEL = "training-platform/accelerator"  # nvidia | neuron: device plugins select on it
 NODE_GROUP_LABEL = "training-platform/node-group"
 EFA_PRESENT_LABEL = "vpc.amazonaws.com/efa.present"  # the EFA device plugin selects on it
+# cluster-autoscaler treats a node with this label as a GPU node whose nvidia.com/gpu is not
+# advertised yet (device plugin starting), instead of as a node without GPUs that does not fit
+# the pending pod and needs another node (cluster-autoscaler cloudprovider/aws/README.md, GPU
+# node groups; aws_cloud_provider.go GPULabel, tag cluster-autoscaler-1.34.2).
+GPU_TYPE_LABEL = "k8s.amazonaws.com/accelerator"
 
 _AMI_BY_ACCELERATOR = {
     Accelerator.NONE: AMI_STANDARD,
@@ -64,6 +69,12 @@ class InstanceType:
     memory_gib: int
     efa_interfaces: int
     nproc_per_node: int
+    # Network cards after the first take EFA-only interfaces (no ENA, no IP address): EC2's
+    # layout for these types (EC2 User Guide, "Maximize network bandwidth ... multiple network
+    # cards"). Each saves one subnet address per card and node.
+    efa_only_secondary: bool = False
+    # Sold as EC2 Capacity Blocks for ML (nodegroup capacity type CAPACITY_BLOCK).
+    capacity_blocks: bool = False
 
     @property
     def family(self) -> str:
@@ -94,15 +105,24 @@ class InstanceType:
     def efa_resource(self) -> str | None:
         return EFA_RESOURCE if self.supports_efa else None
 
+    @property
+    def gpu_type(self) -> str | None:
+        """The value of ``k8s.amazonaws.com/accelerator`` on NVIDIA nodes, e.g. ``nvidia-a100``."""
+        if self.accelerator is not Accelerator.NVIDIA:
+            return None
+        return f"nvidia-{self.accelerator_model.lower()}"
 
-def _gpu(name, model, count, mem_gib, vcpus, memory_gib, efa):
-    return InstanceType(name, Accelerator.NVIDIA, model, count, mem_gib, vcpus, memory_gib, efa, count)
+
+def _gpu(name, model, count, mem_gib, vcpus, memory_gib, efa, efa_only=False, blocks=False):
+    return InstanceType(name, Accelerator.NVIDIA, model, count, mem_gib, vcpus, memory_gib, efa, count,
+                        efa_only_secondary=efa_only, capacity_blocks=blocks)
 
 
-def _neuron(name, model, devices, mem_gib, vcpus, memory_gib, efa, cores_per_device):
+def _neuron(name, model, devices, mem_gib, vcpus, memory_gib, efa, cores_per_device, efa_only=False, blocks=False):
     # torchrun starts one process per (logical) NeuronCore.
     return InstanceType(
-        name, Accelerator.NEURON, model, devices, mem_gib, vcpus, memory_gib, efa, devices * cores_per_device
+        name, Accelerator.NEURON, model, devices, mem_gib, vcpus, memory_gib, efa, devices * cores_per_device,
+        efa_only_secondary=efa_only, capacity_blocks=blocks,
     )
 
 
@@ -115,21 +135,22 @@ CATALOG: dict[str, InstanceType] = {
     for t in (
         _gpu("p3.8xlarge", "V100", 4, 16, 32, 244, efa=0),
         _gpu("p3dn.24xlarge", "V100", 8, 32, 96, 768, efa=1),
-        _gpu("p4d.24xlarge", "A100", 8, 40, 96, 1152, efa=4),
+        _gpu("p4d.24xlarge", "A100", 8, 40, 96, 1152, efa=4, blocks=True),
         _gpu("p4de.24xlarge", "A100", 8, 80, 96, 1152, efa=4),
-        _gpu("p5.48xlarge", "H100", 8, 80, 192, 2048, efa=32),
-        _gpu("p5e.48xlarge", "H200", 8, 141, 192, 2048, efa=32),
-        _gpu("p5en.48xlarge", "H200", 8, 141, 192, 2048, efa=16),
+        _gpu("p5.48xlarge", "H100", 8, 80, 192, 2048, efa=32, efa_only=True, blocks=True),
+        _gpu("p5e.48xlarge", "H200", 8, 141, 192, 2048, efa=32, efa_only=True, blocks=True),
+        _gpu("p5en.48xlarge", "H200", 8, 141, 192, 2048, efa=16, efa_only=True, blocks=True),
         _gpu("g5.xlarge", "A10G", 1, 24, 4, 16, efa=0),
         _gpu("g5.12xlarge", "A10G", 4, 24, 48, 192, efa=1),
         _gpu("g5.48xlarge", "A10G", 8, 24, 192, 768, efa=1),
         _gpu("g6e.48xlarge", "L40S", 8, 48, 192, 1536, efa=4),
         # Trainium: 2 NeuronCore-v2 per device.
         _neuron("trn1.2xlarge", "Trainium", 1, 32, 8, 32, efa=0, cores_per_device=2),
-        _neuron("trn1.32xlarge", "Trainium", 16, 32, 128, 512, efa=8, cores_per_device=2),
+        _neuron("trn1.32xlarge", "Trainium", 16, 32, 128, 512, efa=8, cores_per_device=2, blocks=True),
         _neuron("trn1n.32xlarge", "Trainium", 16, 32, 128, 512, efa=16, cores_per_device=2),
         # Trainium2: 8 physical cores per device, 4 logical cores at the default LNC=2.
-        _neuron("trn2.48xlarge", "Trainium2", 16, 96, 192, 2048, efa=16, cores_per_device=4),
+        _neuron("trn2.48xlarge", "Trainium2", 16, 96, 192, 2048, efa=16, cores_per_device=4, efa_only=True,
+                blocks=True),
         _cpu("c5.2xlarge", 8, 16),
         _cpu("c5.4xlarge", 16, 32),
         _cpu("m5.2xlarge", 8, 32),

@@ -18,7 +18,8 @@ _PATTERN_HELP = {
     r"^v?\d+\.\d+\.\d+$": "an exact version, e.g. 1.2.3",
     r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$": "a Kubernetes name: lowercase letters, digits and '-', at most 63",
     r"^[\w.-]+/[\w.-]+$": "owner/repository, e.g. my-org/training-platform",
-    r"^v\d+\.\d+\.\d+-eksbuild\.\d+$": "an EKS add-on version, e.g. v1.20.4-eksbuild.1",
+    r"^v\d+\.\d+\.\d+-eksbuild\.\d+$": "an EKS add-on version, e.g. v1.21.1-eksbuild.7",
+    r"^cr-[0-9a-f]{17}$": "a capacity reservation id, e.g. cr-0123456789abcdef0",
     r"^arn:aws[a-z-]*:(codeconnections|codestar-connections):[a-z0-9-]+:\d{12}:connection/[0-9a-f-]{36}$":
         "a CodeConnections connection ARN, e.g. arn:aws:codeconnections:us-west-2:123456789012:connection/<uuid>",
 }

@@ -10,11 +10,15 @@ from __future__ import annotations
 import ipaddress
 import re
 from enum import Enum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from config.catalog import CATALOG, InstanceType, accelerated_types, cpu_types, lookup
+from config.versions import (
+    ADDON_VERSIONS, CLUSTER_AUTOSCALER_CHART_RANGES, CLUSTER_AUTOSCALER_CHARTS, EFA_DEVICE_PLUGIN_CHART,
+    MIN_VPC_CNI_FOR_EFA_ONLY, autoscaler_minor, semver,
+)
 from typed_config import FieldProblem, StrictModel
 
 # Kubernetes minor versions for which EKS and a pinned kubectl Lambda layer both exist.
@@ -66,7 +70,12 @@ FSX_THROUGHPUT_BY_TYPE: dict[FsxDeploymentType, tuple[int, ...] | None] = {
 
 
 class _Sized(StrictModel):
-    """A node group's sizes; every subclass gets the min <= desired <= max rule."""
+    """A node group's sizes; every subclass gets the min <= desired <= max rule.
+
+    ``desired_size`` is the size a group is created with. After that cluster-autoscaler owns
+    the number of nodes: a later deploy keeps whatever it chose, clamped to min and max
+    (cdk_constructs/autoscaled_size.py).
+    """
 
     min_size: int = Field(ge=0)
     desired_size: int = Field(ge=0)
@@ -89,7 +98,7 @@ class NetworkConfig(StrictModel):
     """The VPC. The compute AZ gets exactly one private compute subnet."""
 
     vpc_cidr: str = "10.0.0.0/16"
-    nat_gateways: int = Field(default=1, ge=0, le=2)
+    nat_gateways: int = Field(default=1, le=2)
     interface_endpoints: bool = True
     flow_logs_retention_days: RetentionDays = 90
 
@@ -104,13 +113,18 @@ class NetworkConfig(StrictModel):
             raise FieldProblem("", v, "a prefix length from /16 to /20", "prefix length out of range")
         return v
 
-    @model_validator(mode="after")
-    def _private_nodes_need_a_way_out(self):
-        if self.nat_gateways == 0 and not self.interface_endpoints:
-            raise FieldProblem(
-                "interface_endpoints", False, "true when nat_gateways is 0 (nodes pull images through endpoints)"
-            )
-        return self
+    @field_validator("nat_gateways")
+    @classmethod
+    def _a_way_out(cls, v: int) -> int:
+        # A cluster without NAT would need the eks-auth, eks, autoscaling and sqs endpoints, a
+        # registry mirror for every chart and image the platform installs (NVIDIA, Volcano,
+        # etcd, the autoscaler come from public registries) and the autoscaler's static
+        # instance list. Half of that is a cluster whose nodes never become Ready, so the
+        # mode is refused rather than half-supported (README, "Private clusters").
+        if v < 1:
+            raise FieldProblem("", v, "1 or 2", "a cluster without NAT gateways (private mode) is not supported: "
+                               "its nodes could not pull the platform's charts and images")
+        return v
 
 
 class ClusterConfig(StrictModel):
@@ -168,6 +182,13 @@ class SystemNodeGroupConfig(_Sized):
         return lookup(self.instance_type)
 
 
+class CapacityReservationConfig(StrictModel):
+    """Capacity bought ahead: an EC2 Capacity Block for ML, or an On-Demand Capacity Reservation."""
+
+    kind: Literal["capacity_block", "on_demand"]
+    id: str = Field(pattern=r"^cr-[0-9a-f]{17}$")
+
+
 class AcceleratedNodeGroupConfig(_Sized):
     """One managed node group of GPU or Trainium nodes, in the compute subnet."""
 
@@ -176,6 +197,7 @@ class AcceleratedNodeGroupConfig(_Sized):
     capacity_type: CapacityType = CapacityType.ON_DEMAND
     efa: bool | None = None  # None: on wherever the instance type has EFA
     placement_group: bool = True
+    capacity_reservation: CapacityReservationConfig | None = None
 
     @field_validator("instance_type")
     @classmethod
@@ -192,6 +214,26 @@ class AcceleratedNodeGroupConfig(_Sized):
             )
         return self
 
+    @model_validator(mode="after")
+    def _capacity_that_can_be_had(self):
+        if self.capacity_type is CapacityType.SPOT and (self.efa_enabled or self.placement_group):
+            # One instance type, one AZ and a cluster placement group: a Spot request that
+            # rarely finds capacity, and an EFA job that loses its nodes together.
+            raise FieldProblem(
+                "capacity_type", "SPOT", "ON_DEMAND for a group with EFA or a placement group (or set efa: false "
+                "and placement_group: false)", "Spot capacity for one type in one placement group is rarely there")
+        reservation = self.capacity_reservation
+        if reservation is None:
+            return self
+        if self.capacity_type is CapacityType.SPOT:
+            raise FieldProblem("capacity_type", "SPOT", "ON_DEMAND with a capacity_reservation",
+                               "reserved capacity is not Spot")
+        if reservation.kind == "capacity_block" and not self.instance.capacity_blocks:
+            sold = ", ".join(n for n, t in sorted(CATALOG.items()) if t.capacity_blocks)
+            raise FieldProblem("capacity_reservation.kind", "capacity_block", f"on_demand for {self.instance_type}; "
+                               f"Capacity Blocks are sold for {sold}", f"{self.instance_type} has no Capacity Blocks")
+        return self
+
     @property
     def instance(self) -> InstanceType:
         return lookup(self.instance_type)
@@ -199,6 +241,11 @@ class AcceleratedNodeGroupConfig(_Sized):
     @property
     def efa_enabled(self) -> bool:
         return self.instance.supports_efa if self.efa is None else self.efa
+
+    @property
+    def efa_only_interfaces(self) -> bool:
+        """Secondary network cards carry EFA-only interfaces (see the catalog)."""
+        return self.efa_enabled and self.instance.efa_only_secondary
 
 
 S3Prefix = Annotated[str, Field(pattern=r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*/$")]
@@ -311,11 +358,13 @@ class VersionsConfig(StrictModel):
     volcano_chart: SemVer = "1.15.1"
     nvidia_device_plugin_chart: SemVer = "0.17.1"
     neuron_chart: SemVer = "1.1.2"
-    efa_device_plugin_chart: SemVer = "v0.5.20"
-    cluster_autoscaler_chart: SemVer = "9.50.0"
-    node_termination_handler_chart: SemVer = "0.27.2"
-    # EKS add-on versions, e.g. {"vpc-cni": "v1.20.4-eksbuild.1"}. An add-on left out gets EKS's
-    # default version for the cluster's Kubernetes version when it is created.
+    # The chart version, not the plugin image's (config/versions.py says which deploys which).
+    efa_device_plugin_chart: SemVer = EFA_DEVICE_PLUGIN_CHART
+    # None: the chart whose autoscaler matches cluster.kubernetes_version (config/versions.py).
+    cluster_autoscaler_chart: SemVer | None = None
+    # EKS add-on versions, e.g. {"vpc-cni": "v1.21.1-eksbuild.7"}. vpc-cni, kube-proxy and
+    # coredns default to the versions listed for the cluster's Kubernetes minor
+    # (config/versions.py); an add-on in neither gets EKS's default when it is created.
     addons: dict[str, Annotated[str, Field(pattern=r"^v\d+\.\d+\.\d+-eksbuild\.\d+$")]] = {}
 
     @field_validator("etcd_image")
@@ -447,6 +496,27 @@ class PlatformConfig(StrictModel):
                 raise FieldProblem(f"[{i}].name", group.name, "a name not used by another node group", "duplicate")
             seen.add(group.name)
         return groups
+
+    @model_validator(mode="after")
+    def _versions_fit_the_cluster(self):
+        minor = self.cluster.kubernetes_version
+        chart = self.versions.cluster_autoscaler_chart
+        if chart is not None and autoscaler_minor(chart) != minor:
+            first, last = CLUSTER_AUTOSCALER_CHART_RANGES[minor]
+            runs = autoscaler_minor(chart)
+            raise FieldProblem("versions.cluster_autoscaler_chart", chart,
+                               f"a chart from {first} to {last} for Kubernetes {minor}, or leave it out",
+                               f"it runs cluster-autoscaler {runs}" if runs else "not a chart the platform knows")
+        cni = self.versions.addons.get("vpc-cni") or ADDON_VERSIONS[minor]["vpc-cni"]
+        if any(g.efa_only_interfaces for g in self.accelerated_node_groups) and semver(cni) < MIN_VPC_CNI_FOR_EFA_ONLY:
+            floor = "v" + ".".join(map(str, MIN_VPC_CNI_FOR_EFA_ONLY))
+            raise FieldProblem("versions.addons.vpc-cni", cni, f"{floor} or later",
+                               "EFA-only interfaces need a newer VPC CNI")
+        return self
+
+    @property
+    def cluster_autoscaler_chart(self) -> str:
+        return self.versions.cluster_autoscaler_chart or CLUSTER_AUTOSCALER_CHARTS[self.cluster.kubernetes_version]
 
     @model_validator(mode="after")
     def _pipeline_fits(self):

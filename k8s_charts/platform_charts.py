@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from cdk8s import Chart
@@ -19,6 +20,7 @@ ETCD_NAME = "etcd"
 TRAINER_SERVICE_ACCOUNT = "trainer"
 FSX_CLAIM = "fsx"
 FSX_CSI_DRIVER = "fsx.csi.aws.com"
+EBS_CSI_DRIVER = "ebs.csi.aws.com"
 ETCD_DATA_DIR = "/var/lib/etcd"
 
 
@@ -131,6 +133,71 @@ class SchedulingChart(Chart):
                   description="Training jobs of the platform's queue")
 
 
+class StorageClassChart(Chart):
+    """The encrypted gp3 StorageClass the platform's own volumes (etcd's data) come from.
+
+    Served by the EBS CSI driver add-on (``ebs.csi.aws.com``). A volume is created in the AZ of
+    the node its pod is first scheduled to (WaitForFirstConsumer), and deleted with its claim:
+    it holds rendezvous state, never training data.
+    """
+
+    def __init__(self, scope: Construct, id: str, config: PlatformConfig):
+        super().__init__(scope, id)
+        k8s_object(self, "gp3", api_version="storage.k8s.io/v1", kind="StorageClass",
+                   metadata=_metadata(config.jobs.etcd.storage_class),
+                   provisioner=EBS_CSI_DRIVER, parameters={"type": "gp3", "encrypted": "true"},
+                   reclaimPolicy="Delete", volumeBindingMode="WaitForFirstConsumer", allowVolumeExpansion=True)
+
+
+def platform_check_name(config: PlatformConfig) -> str:
+    """``platform-check-<hash of the config>``: a config that changes the platform gets a new check."""
+    # Not the pipeline section: a stage deploys the same platform as a direct deploy.
+    digest = hashlib.sha256(config.model_dump_json(exclude={"pipeline"}).encode()).hexdigest()[:10]
+    return f"platform-check-{digest}"
+
+
+class PlatformCheckChart(Chart):
+    """A one-pod Volcano Job, in the jobs' queue and namespace, that asks etcd for its health.
+
+    The cluster stack applies it, and waits for it to complete, on its first deploy and on
+    every deploy that changes the config: a platform that deploys but cannot schedule a job
+    through Volcano, or whose jobs cannot reach the rendezvous store, fails its deploy (and, in
+    a pipeline, never reaches the next approval). It runs ``etcdctl`` from the pinned etcd image
+    on a system node.
+    """
+
+    def __init__(self, scope: Construct, id: str, config: PlatformConfig):
+        super().__init__(scope, id)
+        endpoint = f"http://{etcd_endpoint(config)}"
+        k8s_object(self, "job", api_version="batch.volcano.sh/v1alpha1", kind="Job",
+                   metadata=_metadata(platform_check_name(config), config.jobs.namespace),
+                   spec={
+                       "schedulerName": "volcano",
+                       "queue": config.jobs.queue.name,
+                       "priorityClassName": config.jobs.priority_class.name,
+                       "minAvailable": 1,
+                       "maxRetry": 3,
+                       "ttlSecondsAfterFinished": 3600,
+                       "tasks": [{"name": "check", "replicas": 1, "template": {"spec": {
+                           "restartPolicy": "Never",
+                           "automountServiceAccountToken": False,
+                           "nodeSelector": system_node_selector(),
+                           "securityContext": {"runAsNonRoot": True, "runAsUser": 65532,
+                                               "seccompProfile": {"type": "RuntimeDefault"}},
+                           "containers": [{
+                               "name": "etcd-health",
+                               "image": config.versions.etcd_image,
+                               "command": ["etcdctl", f"--endpoints={endpoint}", "--command-timeout=10s",
+                                           "endpoint", "health"],
+                               "resources": {"requests": {"cpu": "50m", "memory": "64Mi"},
+                                             "limits": {"memory": "128Mi"}},
+                               "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                                   "capabilities": {"drop": ["ALL"]}},
+                           }],
+                       }}}],
+                   })
+
+
 @dataclass(frozen=True)
 class LustreVolumeValues:
     """What the static PersistentVolume needs; from the storage stack (tokens or its outputs)."""
@@ -169,4 +236,5 @@ class StorageChart(Chart):
                         "resources": {"requests": {"storage": capacity}}})
 
 
-__all__ = ["FSX_MOUNT", "EtcdChart", "LustreVolumeValues", "NamespacesChart", "SchedulingChart", "StorageChart"]
+__all__ = ["FSX_MOUNT", "EtcdChart", "PlatformCheckChart", "platform_check_name", "LustreVolumeValues", "NamespacesChart", "SchedulingChart", "StorageChart",
+           "StorageClassChart"]

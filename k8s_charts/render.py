@@ -9,7 +9,9 @@ from constructs import Construct
 from config import PlatformConfig
 from k8s_charts.job_charts import NcclCheckChart, TrainingJobChart
 from k8s_charts.job_spec import JobSpec
-from k8s_charts.platform_charts import EtcdChart, LustreVolumeValues, NamespacesChart, SchedulingChart, StorageChart
+from k8s_charts.platform_charts import (
+    EtcdChart, LustreVolumeValues, NamespacesChart, SchedulingChart, StorageChart, StorageClassChart,
+)
 
 # The storage stack's CfnOutput keys (stacks/storage_stack.py).
 _OUTPUT_KEYS = {"file_system_id": "FileSystemId", "dns_name": "FileSystemDnsName", "mount_name": "FileSystemMountName"}
@@ -17,6 +19,7 @@ _OUTPUT_KEYS = {"file_system_id": "FileSystemId", "dns_name": "FileSystemDnsName
 
 def render_platform(scope: Construct, config: PlatformConfig, volume: LustreVolumeValues | None) -> None:
     NamespacesChart(scope, "namespaces", config)
+    StorageClassChart(scope, "storage-class", config)
     EtcdChart(scope, "etcd", config)
     SchedulingChart(scope, "scheduling", config)
     if volume is not None:

@@ -25,6 +25,14 @@ def scheduler_config() -> str:
     return yaml.safe_dump({"actions": SCHEDULER_ACTIONS, "tiers": SCHEDULER_TIERS}, sort_keys=False)
 
 
-def helm_values() -> dict:
-    """Values for the pinned upstream Volcano chart (versions.volcano_chart), installed by the cluster stack."""
-    return {"custom": {"scheduler_config_override": scheduler_config()}}
+def helm_values(node_selector: dict[str, str]) -> dict:
+    """Values for the pinned upstream Volcano chart (versions.volcano_chart), installed by the cluster stack.
+
+    Every component runs on ``node_selector``'s nodes (``custom.default_ns``), and images are
+    pulled only when missing: the chart's default ``Always`` (installer/helm/chart/volcano/
+    values.yaml, v1.15.1) makes every restart of the admission server depend on Docker Hub.
+    """
+    return {
+        "basic": {"image_pull_policy": "IfNotPresent"},
+        "custom": {"scheduler_config_override": scheduler_config(), "default_ns": dict(node_selector)},
+    }

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib
 
-from aws_cdk import CfnCondition, CfnOutput, Stack, aws_eks_v2 as eks, aws_kms as kms
+from aws_cdk import CfnCondition, CfnOutput, Duration, Stack, aws_eks_v2 as eks, aws_kms as kms
 from aws_cdk.aws_lambda import CfnFunction
 from cdk8s import App as Cdk8sApp
 from constructs import Construct
 
 from cdk_constructs.accelerated_node_group import AcceleratedNodeGroup, AcceleratedNodeGroupProps
+from cdk_constructs.autoscaled_size import AutoscaledSize, AutoscaledSizeProps
 from cdk_constructs.cluster_addons import ClusterAddons, ClusterAddonsProps
 from cdk_constructs.cluster_charts import ClusterCharts, ClusterChartsProps
 from cdk_constructs.efa_launch_template import EfaLaunchTemplate, EfaLaunchTemplateProps
@@ -18,7 +19,8 @@ from cdk_constructs.pod_identity import associate
 from config import PlatformConfig
 from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE
 from k8s_charts.platform_charts import (
-    TRAINER_SERVICE_ACCOUNT, EtcdChart, LustreVolumeValues, NamespacesChart, SchedulingChart, StorageChart,
+    TRAINER_SERVICE_ACCOUNT, EtcdChart, LustreVolumeValues, NamespacesChart, PlatformCheckChart,
+    SchedulingChart, StorageChart, StorageClassChart, platform_check_name,
 )
 from stacks.network_stack import NetworkStack
 from stacks.registry_stack import RegistryStack
@@ -65,18 +67,30 @@ class ClusterStack(Stack):
             self.cluster.grant_access(f"Admin{i}", arn, [eks.AccessPolicy.from_access_policy_name(
                 "AmazonEKSClusterAdminPolicy", access_scope_type=eks.AccessScopeType.CLUSTER)])
 
+        file_system = storage.file_system
+        self.addons = ClusterAddons(self, "Addons", ClusterAddonsProps(
+            cluster=self.cluster, kubernetes_version=config.cluster.kubernetes_version,
+            versions=config.versions.addons,
+            file_system_arn=self.format_arn(service="fsx", resource="file-system",
+                                            resource_name=file_system.volume.file_system_id),
+            monitoring=config.monitoring.enabled))
+
         node_groups_sgs = [net.node_security_group.security_group_id, self.cluster.cluster_security_group_id]
         system = config.system_node_group
         system_template = EfaLaunchTemplate(self, "SystemLaunchTemplate", EfaLaunchTemplateProps(
             instance=system.instance, efa=False, security_group_ids=node_groups_sgs, placement_group_name=None,
             root_volume_gib=100))
+        system_size = AutoscaledSize(self, "SystemDesiredSize", AutoscaledSizeProps(
+            cluster=self.cluster, label_key=NODE_ROLE_LABEL, label_value=SYSTEM_ROLE,
+            min_size=system.min_size, max_size=system.max_size, initial_size=system.desired_size,
+            generation=system_template.version))
         self.system_nodes = eks.Nodegroup(
             self, "SystemNodes", cluster=self.cluster, node_role=registry.node_role,
             ami_type=eks.NodegroupAmiType.AL2023_X86_64_STANDARD,
             launch_template_spec=eks.LaunchTemplateSpec(id=system_template.launch_template_id,
                                                         version=system_template.version),
             subnets=net.private_subnets,
-            min_size=system.min_size, desired_size=system.desired_size, max_size=system.max_size,
+            min_size=system.min_size, desired_size=system_size.desired_size, max_size=system.max_size,
             labels={NODE_ROLE_LABEL: SYSTEM_ROLE},
         )
         self.accelerated = [
@@ -85,14 +99,12 @@ class ClusterStack(Stack):
                 node_security_group=net.node_security_group))
             for group in config.accelerated_node_groups
         ]
+        # Nodes join with the pinned VPC CNI, not the one EKS bootstraps and the add-on then replaces.
+        for nodegroup in [self.system_nodes, *(g.nodegroup for g in self.accelerated)]:
+            nodegroup.node.add_dependency(self.addons.vpc_cni)
 
-        file_system = storage.file_system
-        self.addons = ClusterAddons(self, "Addons", ClusterAddonsProps(
-            cluster=self.cluster, versions=config.versions.addons,
-            file_system_arn=self.format_arn(service="fsx", resource="file-system",
-                                            resource_name=file_system.volume.file_system_id),
-            monitoring=config.monitoring.enabled))
-        self.charts = ClusterCharts(self, "Charts", ClusterChartsProps(cluster=self.cluster, config=config))
+        self.charts = ClusterCharts(self, "Charts", ClusterChartsProps(
+            cluster=self.cluster, config=config, system_nodes=self.system_nodes))
 
         # Training pods read and write the bucket's two prefixes (the role lives with the bucket).
         associate(self, "TrainerIdentity", self.cluster.cluster_name, config.jobs.namespace,
@@ -137,11 +149,27 @@ class ClusterStack(Stack):
         etcd = self.cluster.add_cdk8s_chart("Etcd", EtcdChart(charts, "etcd", config))
         etcd.node.add_dependency(namespaces, self.system_nodes)
         scheduling = self.cluster.add_cdk8s_chart("Scheduling", SchedulingChart(charts, "scheduling", config))
-        scheduling.node.add_dependency(self.charts.volcano)  # the Queue kind comes with Volcano's CRDs
+        scheduling.node.add_dependency(self.charts.volcano)  # Volcano's CRDs are in and its webhooks serve
+        storage_class = self.cluster.add_cdk8s_chart("StorageClass", StorageClassChart(charts, "storage-class", config))
+        storage_class.node.add_dependency(self.addons.ebs_csi)
+        etcd.node.add_dependency(storage_class)  # etcd's volumes come from the class
         volume = storage.file_system.volume
         storage_chart = self.cluster.add_cdk8s_chart("Storage", StorageChart(charts, "storage", config, LustreVolumeValues(
             file_system_id=volume.file_system_id, dns_name=volume.dns_name, mount_name=volume.mount_name,
             capacity_gib=config.fsx.storage_capacity_gib)))
         storage_chart.node.add_dependency(namespaces, self.addons.fsx_csi)  # the CSI driver before its volume
+        self._platform_check(config, charts, after=[etcd, scheduling, *self.charts.device_plugin_checks])
+
+    def _platform_check(self, config: PlatformConfig, charts: Cdk8sApp, after: list) -> None:
+        """A deploy that changes the platform ends by running a small job through Volcano against etcd."""
+        job = self.cluster.add_cdk8s_chart("PlatformCheck", PlatformCheckChart(charts, "platform-check", config))
+        job.node.add_dependency(*after)
+        completed = eks.KubernetesObjectValue(
+            self, "PlatformCheckCompleted", cluster=self.cluster, object_type="jobs.batch.volcano.sh",
+            object_name=platform_check_name(config), object_namespace=config.jobs.namespace,
+            json_path='.status.conditions[?(@.status=="Completed")].status', timeout=Duration.minutes(15))
+        completed.node.add_dependency(job)
+        CfnOutput(self, "PlatformCheck", value=completed.value,
+                  description="A job ran through Volcano and reached etcd after this deploy")
 
 

@@ -7,6 +7,9 @@ itself, and deploys each configured stage in order. A failing test stops everyth
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from aws_cdk import Duration, Environment, Stack, Stage, aws_codebuild as codebuild, pipelines
 from constructs import Construct
 
@@ -20,6 +23,12 @@ TEST_COMMAND = "make test"
 SYNTH_COMMAND = "make synth CONFIG={config}"
 # Manifests ride along in the cloud assembly, which the pipeline keeps as an artifact.
 KEEP_MANIFESTS = "cp -r dist cdk.out/manifests"
+PACKAGE_JSON = Path(__file__).resolve().parent.parent / "package.json"
+
+
+def pinned_node_tool(name: str) -> str:
+    """The version package.json pins for ``name`` (the CDK CLI, cdk-assets): one source for every step."""
+    return json.loads(PACKAGE_JSON.read_text())["devDependencies"][name]
 
 
 class PlatformStage(Stage):
@@ -53,6 +62,10 @@ class PipelineStack(Stack):
             pipeline_name=f"{config.name_prefix}-platform",
             synth=self.synth_step,
             self_mutation=True,
+            # Self-mutation and asset publishing install these with npm; unpinned they take @latest,
+            # and a CLI 3.x cannot read what aws-cdk-lib 2.27x writes.
+            cli_version=pinned_node_tool("aws-cdk"),
+            cdk_assets_cli_version=pinned_node_tool("cdk-assets"),
             # KMS-encrypted artifacts, readable by the stage accounts' bootstrap roles only.
             cross_account_keys=True,
             enable_key_rotation=True,

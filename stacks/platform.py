@@ -28,8 +28,17 @@ class Platform:
 
     @property
     def stacks(self) -> list:
-        """In deploy order. Teardown (README): jobs, PVCs, storage, the cluster, registry, network."""
+        """In deploy order: a stack comes after every stack it reads from."""
         return [self.network, self.registry, self.storage, self.cluster]
+
+    @property
+    def teardown(self) -> list:
+        """In the order the README's Teardown destroys them: a stack goes before every stack it reads from.
+
+        ``cdk destroy`` of a stack also destroys the stacks that depend on it, so any other order
+        would take the cluster down with the storage stack, unannounced.
+        """
+        return list(reversed(self.stacks))
 
 
 def build_platform(app: App, config: PlatformConfig) -> Platform:

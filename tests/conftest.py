@@ -84,7 +84,6 @@ def mask_asset_hashes(value: Any) -> Any:
 VARIANTS: dict[str, dict[str, Any]] = {
     "example": config_variant(),
     "pinned-account": config_variant(account=TEST_ACCOUNT),
-    "private-no-nat": config_variant(**{"network.nat_gateways": 0, "network.interface_endpoints": True}),
     "no-endpoints": config_variant(**{"network.interface_endpoints": False}),
     "fsx-scratch": config_variant(
         **{"fsx.deployment_type": "SCRATCH_2", "fsx.throughput_per_tib": None, "fsx.automatic_backup_retention_days": None}
@@ -93,10 +92,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fsx-4800": config_variant(**{"fsx.storage_capacity_gib": 4800, "fsx.throughput_per_tib": 500}),
     "every-family": config_variant(accelerated_node_groups=[
         {"name": "p5", "instance_type": "p5.48xlarge", "min_size": 0, "desired_size": 0, "max_size": 2},
-        {"name": "trn1n", "instance_type": "trn1n.32xlarge", "min_size": 0, "desired_size": 0, "max_size": 2,
-         "capacity_type": "SPOT"},
+        {"name": "trn1n", "instance_type": "trn1n.32xlarge", "min_size": 0, "desired_size": 0, "max_size": 2},
         {"name": "p3", "instance_type": "p3.8xlarge", "min_size": 0, "desired_size": 0, "max_size": 2,
-         "placement_group": False},
+         "placement_group": False, "capacity_type": "SPOT"},
+        # trn2 and p5e are not offered in us-west-2 (cfn-lint's region data): p5en stands for the
+        # types bought as Capacity Blocks.
+        {"name": "p5en", "instance_type": "p5en.48xlarge", "min_size": 0, "desired_size": 0, "max_size": 2,
+         "capacity_reservation": {"kind": "capacity_block", "id": "cr-0123456789abcdef0"}},
     ]),
     "nothing-retained": config_variant(
         **{"fsx.retain_on_delete": False, "bucket.retain_on_delete": False, "ecr.retain_on_delete": False}

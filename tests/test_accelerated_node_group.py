@@ -44,8 +44,8 @@ def test_the_node_group_uses_only_the_compute_subnet_with_labels_and_taint():
     template.has_resource_properties("AWS::EC2::PlacementGroup", {"Strategy": "cluster"})
 
 
-def test_spot_is_passed_through():
-    template, _, _ = synth(group("trn1.32xlarge", capacity_type="SPOT"))
+def test_spot_is_passed_through_for_a_group_without_efa_or_placement_group():
+    template, _, _ = synth(group("trn1.2xlarge", capacity_type="SPOT", placement_group=False))
     template.has_resource_properties("AWS::EKS::Nodegroup", {"CapacityType": "SPOT",
                                                             "AmiType": "AL2023_x86_64_NEURON"})
 

@@ -239,7 +239,7 @@ def test_queue_and_priority_class_come_from_config():
 
 def test_the_volcano_policy_leaves_out_enqueue_so_pods_exist_for_the_autoscaler():
     assert "enqueue" not in SCHEDULER_ACTIONS
-    policy = yaml.safe_load(helm_values()["custom"]["scheduler_config_override"])
+    policy = yaml.safe_load(helm_values({})["custom"]["scheduler_config_override"])
     assert policy["actions"] == "allocate, backfill"
     assert {"name": "gang"} in policy["tiers"][0]["plugins"]
 
@@ -294,7 +294,7 @@ def test_the_renderer_writes_dist_and_reports_a_bad_spec_in_one_line(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert sorted(p.name for p in (tmp_path / "dist").glob("*.yaml")) == [
         "etcd.yaml", "namespaces.yaml", "prepare-imagenet.yaml", "resnet50-imagenet-nccl-check.yaml",
-        "resnet50-imagenet.yaml", "scheduling.yaml", "storage.yaml"]
+        "resnet50-imagenet.yaml", "scheduling.yaml", "storage-class.yaml", "storage.yaml"]
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: j\nimage: repo.example.com/t:1\nnode_group: p5\n")
     result = subprocess.run([sys.executable, "-m", "k8s_charts", "--job", str(bad), "--out", str(tmp_path / "dist")],

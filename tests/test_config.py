@@ -46,8 +46,8 @@ def test_example_config_is_valid():
         ),
         pytest.param(
             {"accelerated_node_groups.0.spot": True},
-            "accelerated_node_groups[0].spot: unknown key; allowed keys here: capacity_type, desired_size, efa, "
-            "instance_type, max_size, min_size, name, placement_group",
+            "accelerated_node_groups[0].spot: unknown key; allowed keys here: capacity_reservation, capacity_type, "
+            "desired_size, efa, instance_type, max_size, min_size, name, placement_group",
             id="unknown-node-group-key",
         ),
         pytest.param(
@@ -168,12 +168,6 @@ def test_example_config_is_valid():
             {"versions.volcano_chart": "latest"},
             "versions.volcano_chart: got \"latest\"; allowed: an exact version, e.g. 1.2.3",
             id="unpinned-chart",
-        ),
-        pytest.param(
-            {"network.nat_gateways": 0, "network.interface_endpoints": False},
-            "network.interface_endpoints: got false; allowed: true when nat_gateways is 0 (nodes pull images "
-            "through endpoints)",
-            id="no-nat-no-endpoints",
         ),
         pytest.param(
             {"network.vpc_cidr": "10.0.0.0/8"},

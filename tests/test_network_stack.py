@@ -98,14 +98,6 @@ def test_node_security_group_passes_all_traffic_to_and_from_itself_only(example)
     assert "NodeSecurityGroupId" in t.find_outputs("*")
 
 
-def test_without_nat_the_private_subnets_are_isolated(synth):
-    result = synth(VARIANTS["private-no-nat"])
-    t = result.template(result.platform.network)
-    t.resource_count_is("AWS::EC2::NatGateway", 0)
-    t.resource_properties_count_is("AWS::EC2::Route", {"NatGatewayId": Match.any_value()}, 0)
-    t.resource_properties_count_is("AWS::EC2::VPCEndpoint", {"VpcEndpointType": "Interface"}, 5)
-
-
 def test_endpoints_can_be_turned_off(synth):
     result = synth(VARIANTS["no-endpoints"])
     t = result.template(result.platform.network)

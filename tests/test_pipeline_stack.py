@@ -83,6 +83,28 @@ def test_stages_follow_the_config_with_approval_before_prod(pipeline):
     assert all(a["ActionTypeId"]["Category"] != "Approval" for a in by_name["dev"]["Actions"])
 
 
+def test_self_mutation_and_asset_publishing_install_the_repos_pinned_cli_and_cdk_assets(pipeline):
+    _, _, template, _ = pipeline
+    package = json.loads((Path(__file__).resolve().parent.parent / "package.json").read_text())["devDependencies"]
+    installs = {c for p in resources(template, "AWS::CodeBuild::Project")
+                for phase in json.loads(p["Source"]["BuildSpec"])["phases"].values()
+                for c in phase.get("commands", []) if c.startswith("npm install")}
+    assert installs == {f"npm install -g aws-cdk@{package['aws-cdk']}", f"npm install -g cdk-assets@{package['cdk-assets']}"}
+
+
+def test_the_first_stage_proves_a_job_runs_before_the_approval_of_the_next(pipeline):
+    _, _, template, outdir = pipeline
+    # Each stage's cluster stack ends by waiting for a job through Volcano (CfnOutput PlatformCheck);
+    # its deploy fails otherwise, and the prod approval comes only after dev's deploy.
+    dev_cluster = json.loads(next(outdir.glob("assembly-*-dev/*mltraincluster*.template.json")).read_text())
+    waits = [r for r in dev_cluster["Resources"].values() if r["Type"] == "Custom::AWSCDK-EKS-KubernetesObjectValue"
+             and r["Properties"]["ObjectType"] == "jobs.batch.volcano.sh"]
+    assert len(waits) == 1 and "Completed" in waits[0]["Properties"]["JsonPath"]
+    assert "PlatformCheck" in dev_cluster["Outputs"]
+    names = [s["Name"] for s in stages(template)]
+    assert names.index("dev") < names.index("prod")
+
+
 def test_stages_deploy_through_each_accounts_bootstrap_roles(pipeline):
     _, _, template, _ = pipeline
     prod = next(s for s in stages(template) if s["Name"] == "prod")

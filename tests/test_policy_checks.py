@@ -59,10 +59,15 @@ REVIEWED_ACKNOWLEDGEMENTS = {
      "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/CloudWatchAgentServerPolicy]"),
     ("mltrain-cluster/Addons/VpcCni/Role",
      "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonEKS_CNI_Policy]"),
+    ("mltrain-cluster/Addons/EbsCsi/Role",
+     "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/AmazonEBSCSIDriverPolicy]"),
+    # Keeping the autoscaler's node counts: read this cluster's node groups, write its own logs.
+    ("mltrain-cluster/NodegroupDesiredSizeRole",
+     "AwsSolutions::AwsSolutions-IAM5[Resource::arn:aws:eks:us-west-2:<AWS::AccountId>:nodegroup/<ClusterEB0386A7>/*/*]"),
+    ("mltrain-cluster/NodegroupDesiredSizeRole",
+     "AwsSolutions::AwsSolutions-IAM5[Resource::<NodegroupDesiredSizeLogs2162153F.Arn>:*]"),
     # Controllers whose Describe calls have no resource-level permissions.
     ("mltrain-cluster/Charts/AutoscalerIdentity/Role", "AwsSolutions::AwsSolutions-IAM5[Resource::*]"),
-    ("mltrain-cluster/Charts/TerminationHandlerIdentity/Role", "AwsSolutions::AwsSolutions-IAM5[Resource::*]"),
-    ("mltrain-cluster/Charts/InterruptionQueue", "AwsSolutions::AwsSolutions-SQS3"),
     # Scale from zero: tagging each group's Auto Scaling group, whose name has a random part.
     *{(f"mltrain-cluster/Group-{g}/TagAutoScalingGroup",
        f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:aws:autoscaling:us-west-2:<AWS::AccountId>:autoScalingGroup:"

@@ -4,11 +4,12 @@ encryption, retention, the image repository and the node role's pull grant."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from aws_cdk.assertions import Match
 
-from tests.conftest import VARIANTS, config_variant
+from tests.conftest import REPO, VARIANTS, config_variant
 
 FSX = "AWS::FSx::FileSystem"
 DRA = "AWS::FSx::DataRepositoryAssociation"
@@ -306,6 +307,18 @@ def test_stacks_depend_one_way_and_deletion_is_never_blocked_by_exports(example)
     assert depends_on(p.cluster.stack_name) == sorted([network, registry_stack, storage_stack])
     for stack in stacks.values():
         # Weak references (Fn::GetStackOutput) instead of exports: no stack is pinned by an
-        # import, so the README's teardown order (storage before the cluster) is possible.
+        # import; the README says when a deploy needs --force because of them.
         assert all("Export" not in o for o in stack.template.get("Outputs", {}).values())
         assert "Fn::ImportValue" not in json.dumps(stack.template)
+
+
+def test_the_readmes_teardown_destroys_each_stack_before_the_stacks_it_reads_from(example):
+    stacks = {s.stack_name: s for s in example.assembly.stacks}
+    order = [s.stack_name for s in example.platform.teardown]
+    for i, name in enumerate(order):
+        readers = {s for s, artifact in stacks.items() if name in {d.id for d in artifact.dependencies}}
+        assert readers <= set(order[:i]), f"{name} is destroyed before {readers - set(order[:i])}, which read it"
+    readme = (REPO / "README.md").read_text()
+    teardown = readme[readme.index("## Teardown"):readme.index("## Troubleshooting")]
+    destroyed = re.findall(r"cdk destroy <name_prefix>-(\w+)", teardown)
+    assert [f"mltrain-{d}" for d in destroyed] == order

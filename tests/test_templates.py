@@ -37,6 +37,12 @@ ACCEPTED_CFN_LINT = [
     ),
     (
         "W3005",
+        "NodegroupDesiredSize4f1e7a52",
+        "aws-cdk-lib's SingletonFunction (the node groups' desired-size handler) declares a DependsOn on its role "
+        "that the Role reference implies.",
+    ),
+    (
+        "W3005",
         "Pipeline9850B417",
         "aws-cdk-lib's CodePipeline declares a DependsOn on its role that the RoleArn reference already implies.",
     ),

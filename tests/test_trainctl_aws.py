@@ -19,7 +19,8 @@ from tests.conftest import REPO, config_variant, example_data
 from trainctl import stage
 from trainctl.kube import CLUSTER_HEADER, TOKEN_PREFIX, eks_token
 from trainctl.preflight import (
-    bootstrap_check, efa_checks, format_table, offering_checks, quota_checks,
+    PLATFORM_ADDONS, access_check, addon_checks, az_check, bootstrap_check, efa_checks, format_table, offering_checks,
+    quota_checks, role_arn,
 )
 
 REGION = "us-west-2"
@@ -174,3 +175,61 @@ def test_stage_data_names_a_missing_storage_stack(aws):
 
     with pytest.raises(UserError, match="stack mltrain-storage not found in us-west-2"):
         stack_outputs(aws, CONFIG, "storage", "DataBucketName")
+
+
+def test_a_control_plane_az_that_does_not_exist_fails(aws):
+    assert az_check(CONFIG, aws.client("ec2")).passed
+    config = parse_config(config_variant(control_plane_az="us-west-2z"))
+    check = az_check(config, aws.client("ec2"))
+    assert not check.passed and check.detail == "us-west-2z not in us-west-2"
+    assert check.fix == "choose AZs among us-west-2a, us-west-2b, us-west-2c, us-west-2d"
+
+
+@pytest.mark.parametrize(("caller", "listed", "passes"), [
+    ("arn:aws:sts::123456789012:assumed-role/PlatformAdmin/alice", ["arn:aws:iam::123456789012:role/PlatformAdmin"],
+     True),
+    ("arn:aws:sts::123456789012:assumed-role/AWSReservedSSO_Admin_0123/alice",
+     ["arn:aws:iam::123456789012:role/aws-reserved/sso.amazonaws.com/AWSReservedSSO_Admin_0123"], True),
+    ("arn:aws:iam::123456789012:user/bob", ["arn:aws:iam::123456789012:user/bob"], True),
+    ("arn:aws:sts::123456789012:assumed-role/Other/alice", ["arn:aws:iam::123456789012:role/PlatformAdmin"], False),
+    ("arn:aws:sts::210987654321:assumed-role/PlatformAdmin/a", ["arn:aws:iam::123456789012:role/PlatformAdmin"], False),
+    ("arn:aws:sts::123456789012:assumed-role/PlatformAdmin/alice", [], False),
+])
+def test_the_callers_role_must_have_an_access_entry(caller, listed, passes):
+    config = parse_config(config_variant(**{"cluster.admin_principal_arns": listed}))
+    sts = boto3.client("sts", region_name=REGION, aws_access_key_id="t", aws_secret_access_key="t")
+    with Stubber(sts) as stub:
+        stub.add_response("get_caller_identity", {"Arn": caller, "Account": caller.split(":")[4], "UserId": "U"})
+        check = access_check(config, sts)
+    assert check.passed is passes
+    if not passes:
+        assert check.fix.startswith(f"add {role_arn(caller)} to cluster.admin_principal_arns")
+
+
+def test_add_on_versions_are_checked_against_what_eks_offers_and_defaults_are_named():
+    eks = boto3.client("eks", region_name=REGION, aws_access_key_id="t", aws_secret_access_key="t")
+
+    def offered(addon, *versions, default=None):
+        return {"addons": [{"addonName": addon, "addonVersions": [
+            {"addonVersion": v, "compatibilities": [{"clusterVersion": "1.34", "defaultVersion": v == default}]}
+            for v in versions]}]}
+
+    answers = {
+        "eks-pod-identity-agent": offered("eks-pod-identity-agent", "v1.3.10-eksbuild.2", default="v1.3.10-eksbuild.2"),
+        "vpc-cni": offered("vpc-cni", "v1.21.1-eksbuild.7", "v1.20.4-eksbuild.1"),
+        "kube-proxy": offered("kube-proxy", "v1.34.1-eksbuild.2"),
+        "coredns": offered("coredns", "v1.13.2-eksbuild.4"),
+        "aws-fsx-csi-driver": offered("aws-fsx-csi-driver", "v1.7.0-eksbuild.1", default="v1.7.0-eksbuild.1"),
+        "aws-ebs-csi-driver": offered("aws-ebs-csi-driver", "v1.50.0-eksbuild.1", default="v1.50.0-eksbuild.1"),
+        "amazon-cloudwatch-observability": offered("amazon-cloudwatch-observability", "v4.5.0-eksbuild.1",
+                                                   default="v4.5.0-eksbuild.1"),
+    }
+    with Stubber(eks) as stub:
+        for addon in PLATFORM_ADDONS:
+            stub.add_response("describe_addon_versions", answers[addon],
+                              {"addonName": addon, "kubernetesVersion": "1.34"})
+        checks = {c.name: c for c in addon_checks(CONFIG, eks)}
+    assert checks["add-on vpc-cni v1.21.1-eksbuild.7"].passed
+    proxy = checks["add-on kube-proxy v1.34.6-eksbuild.2"]
+    assert not proxy.passed and proxy.fix == "pin one of v1.34.1-eksbuild.2 in versions.addons.kube-proxy"
+    assert checks["add-on aws-fsx-csi-driver"].detail == "not pinned: EKS would install v1.7.0-eksbuild.1"

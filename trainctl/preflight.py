@@ -5,8 +5,15 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import re
+
 from config import PlatformConfig
 from config.catalog import CATALOG, lookup
+from config.versions import ADDON_VERSIONS
+
+# The EKS add-ons the cluster stack creates (cdk_constructs/cluster_addons.py).
+PLATFORM_ADDONS = ("eks-pod-identity-agent", "vpc-cni", "kube-proxy", "coredns", "aws-fsx-csi-driver",
+                   "aws-ebs-csi-driver", "amazon-cloudwatch-observability")
 
 BOOTSTRAP_STACK = "CDKToolkit"
 # EC2 vCPU quotas by instance family (Service Quotas codes for On-Demand and Spot).
@@ -43,10 +50,80 @@ def quota_family(instance_type: str) -> str:
 
 def run_preflight(config: PlatformConfig, session) -> list[Check]:
     ec2 = session.client("ec2", region_name=config.region)
-    checks = offering_checks(config, ec2)
+    checks = [az_check(config, ec2)]
+    checks += offering_checks(config, ec2)
     checks += efa_checks(config, ec2)
     checks += quota_checks(config, session.client("service-quotas", region_name=config.region))
     checks.append(bootstrap_check(config, session.client("cloudformation", region_name=config.region)))
+    checks.append(access_check(config, session.client("sts", region_name=config.region)))
+    checks += addon_checks(config, session.client("eks", region_name=config.region))
+    return checks
+
+
+def az_check(config: PlatformConfig, ec2) -> Check:
+    """Both AZs the config names exist in the region for this account."""
+    zones = sorted(z["ZoneName"] for z in ec2.describe_availability_zones(
+        Filters=[{"Name": "zone-type", "Values": ["availability-zone"]}])["AvailabilityZones"])
+    missing = [az for az in (config.compute_az, config.control_plane_az) if az not in zones]
+    names = f"{config.compute_az} and {config.control_plane_az}"
+    return Check(f"AZs {names} exist", not missing, f"{', '.join(missing)} not in {config.region}" if missing
+                 else "both exist", "" if not missing else f"choose AZs among {', '.join(zones)}")
+
+
+def role_arn(caller_arn: str) -> str:
+    """The IAM principal behind a caller: an assumed-role session becomes its role (with the role's path unknown)."""
+    match = re.fullmatch(r"arn:(aws[a-z-]*):sts::(\d{12}):assumed-role/([\w+=,.@-]+)/.+", caller_arn)
+    if not match:
+        return caller_arn
+    partition, account, role = match.groups()
+    return f"arn:{partition}:iam::{account}:role/{role}"
+
+
+def _grants(listed: str, principal: str) -> bool:
+    """Whether the access entry for ``listed`` covers ``principal``.
+
+    An assumed-role session names its role without the role's path, and SSO roles live under
+    one (``role/aws-reserved/sso.amazonaws.com/...``), so roles of one account match by name.
+    """
+    if listed == principal:
+        return True
+    if ":role/" not in listed or ":role/" not in principal:
+        return False
+    return listed.split(":")[4] == principal.split(":")[4] and listed.rsplit("/", 1)[-1] == principal.rsplit("/", 1)[-1]
+
+
+def access_check(config: PlatformConfig, sts) -> Check:
+    """The deploying identity will be able to reach the cluster: it is among admin_principal_arns."""
+    principal = role_arn(sts.get_caller_identity()["Arn"])
+    listed = any(_grants(arn, principal) for arn in config.cluster.admin_principal_arns)
+    return Check("cluster access for the caller", listed, f"you are {principal}",
+                 "" if listed else f"add {principal} to cluster.admin_principal_arns, or kubectl and trainctl "
+                 "get 401/403 after the deploy")
+
+
+def addon_checks(config: PlatformConfig, eks) -> list[Check]:
+    """Each add-on version the cluster will be created with is offered for its minor; unpinned ones are named."""
+    minor = config.cluster.kubernetes_version
+    checks = []
+    for addon in PLATFORM_ADDONS:
+        if addon == "amazon-cloudwatch-observability" and not config.monitoring.enabled:
+            continue
+        pinned = config.versions.addons.get(addon) or ADDON_VERSIONS[minor].get(addon)
+        offered, default = [], None
+        for page in eks.get_paginator("describe_addon_versions").paginate(addonName=addon, kubernetesVersion=minor):
+            for info in page["addons"]:
+                for version in info["addonVersions"]:
+                    offered.append(version["addonVersion"])
+                    if any(c.get("defaultVersion") for c in version.get("compatibilities", [])):
+                        default = version["addonVersion"]
+        if pinned:
+            ok = pinned in offered
+            checks.append(Check(f"add-on {addon} {pinned}", ok, f"offered for Kubernetes {minor}" if ok else
+                                f"not offered for Kubernetes {minor}", "" if ok else
+                                f"pin one of {', '.join(offered[:5])} in versions.addons.{addon}"))
+        else:
+            checks.append(Check(f"add-on {addon}", default is not None, f"not pinned: EKS would install {default}",
+                                "" if default else f"no version of {addon} is offered for Kubernetes {minor}"))
     return checks
 
 
