@@ -62,6 +62,14 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+_received_signal: str | None = None
+
+
+def received_signal() -> str | None:
+    """The stop signal this process received, if any (the launcher's forked workers ask)."""
+    return _received_signal
+
+
 class StopRequest:
     """Set by SIGTERM (spot interruption, eviction, torchrun shutting down); read between steps."""
 
@@ -74,7 +82,8 @@ class StopRequest:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame) -> None:
-        self.signal_name = signal.Signals(signum).name
+        global _received_signal
+        self.signal_name = _received_signal = signal.Signals(signum).name
         self._event.set()
 
     @property

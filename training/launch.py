@@ -1,43 +1,87 @@
-"""How the platform launches the trainer: one source for the torchrun flags, charts and tests alike.
+"""How the platform launches the trainer: one function builds the container command, one runs it.
 
-The settings were measured with torch 2.13 (see DESIGN.md):
-- ``etcd-v2`` rendezvous: the store lives in etcd, not inside one agent, so any node may die;
-- ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it a joining node waits forever (scale-up hangs);
-- short keep-alives and last call: a lost node is noticed in ~2 s instead of ~15 s, and a
-  rendezvous round closes 1 s after the minimum is met instead of 30 s. The first round
-  needs only the minimum number of nodes, which the gang scheduler starts together; a pod
-  that comes later joins through a scale-up restart, which loses no steps because the
-  workers checkpoint on the SIGTERM that torchrun sends them before a restart.
+:func:`launch_command` is the whole argv of a training pod: the platform's launcher (this
+module), torchrun's flags, and ``-m training train``; the trainer's overrides are appended.
+The charts, the local cluster and the tests build commands only with it.
+
+``python -m training.launch`` is torchrun with four platform decisions (each measured with
+torch 2.13, real agents and a real etcd; see the README's elasticity section):
+
+- the ``platform-etcd`` rendezvous (:mod:`training.rendezvous`): the store lives in etcd, not
+  in one agent, so any node may die; etcd outages up to ``outage_tolerance`` are waited out,
+  and only the job's success closes a round;
+- sub-second keep-alives and last call, which torchrun's own parser cannot take;
+- workers forked from the agent, which has imported torch already (~1.5 s less per restart);
+- exit statuses the job controller acts on (:data:`EXIT_CONFIG`, :data:`EXIT_RESTART_JOB`).
+
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` stays: without it a joining node waits forever for
+the master address (pytorch issues 135712 / 147064).
+
+This module is imported by the charts (no torch there): torch is imported only by :func:`main`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import os
+import sys
+from dataclasses import dataclass, fields
 
-RDZV_BACKEND = "etcd-v2"
+RDZV_BACKEND = "platform-etcd"
+TORCHRUN_BACKEND = "etcd-v2"  # what plain torchrun would use, for comparisons
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
-# Read by every torchrun agent; the chart and the local cluster both set it.
+# Read by every agent; the chart and the local cluster both set it.
 LAUNCH_ENVIRONMENT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 TRAINER_MODULE = "training"
+LAUNCHER_MODULE = "training.launch"
+
+# Exit statuses of the launcher, which the job controller's policies act on (k8s_charts/job_charts.py).
+EXIT_CONFIG = 78  # EX_CONFIG: the trainer's config is wrong; nothing retries it
+EXIT_RESTART_JOB = 79  # this incarnation cannot go on (workers failed for good): restart the job afresh
+# Seconds between the pod's SIGTERM and the end of its grace period kept for the agent itself.
+SHUTDOWN_MARGIN_S = 15
+
+log = logging.getLogger("training.launch")
 
 
 @dataclass(frozen=True)
 class RendezvousTuning:
-    """torchrun's ``--rdzv-conf``. Recovery ~ keep-alive detection + last call + worker start."""
+    """``--rdzv-conf``. Recovery ~ keep-alive expiry + last call + worker start."""
 
-    last_call_timeout: int = 1
-    keep_alive_interval: int = 1
-    # Two missed heartbeats: a node is declared lost ~2 s after it stops. Raise it for jobs
-    # of many nodes, whose agents all write their heartbeats to one etcd key.
-    keep_alive_max_attempt: int = 3
+    # A node is declared dead after missing heartbeats for interval x attempts (1.5 s). Six
+    # samples, not two: a busy agent that misses one heartbeat must not look dead, or a
+    # joining node forms a second world beside it.
+    keep_alive_interval: float = 0.25
+    keep_alive_max_attempt: int = 6
+    # Nodes that reach the rendezvous within this much of each other join the same round.
+    last_call_timeout: float = 0.5
     join_timeout: int = 900  # a pod may wait this long for the minimum number of nodes
+    outage_tolerance: int = 120  # etcd may be away this long (pod reschedule, node drain)
+    read_timeout: int = 5  # one etcd request; the default 60 s would stall the agent's loop
 
     def conf(self) -> str:
-        return ",".join(f"{key}={value}" for key, value in vars(self).items())
+        return ",".join(f"{f.name}={_number(getattr(self, f.name))}" for f in fields(self))
+
+
+@dataclass(frozen=True)
+class TorchrunTuning:
+    """torchrun's own etcd-v2 settings (whole seconds only), for the comparisons in the benchmark."""
+
+    last_call_timeout: int = 2
+    keep_alive_interval: int = 1
+    keep_alive_max_attempt: int = 3
+    join_timeout: int = 900
+
+    def conf(self) -> str:
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
 
 PLATFORM_TUNING = RendezvousTuning()
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
 
 
 def torchrun_arguments(
@@ -48,11 +92,11 @@ def torchrun_arguments(
     endpoint: str,
     run_id: str,
     max_restarts: int,
-    tuning: RendezvousTuning | None = PLATFORM_TUNING,
+    tuning: RendezvousTuning | TorchrunTuning | None = PLATFORM_TUNING,
     local_addr: str | None = None,
     backend: str = RDZV_BACKEND,
 ) -> list[str]:
-    """The torchrun flags (without ``torchrun`` and the module) for one elastic job.
+    """The torchrun flags (without the launcher and the module) for one elastic job.
 
     ``tuning=None`` leaves torch's defaults, for comparisons.
     """
@@ -69,3 +113,119 @@ def torchrun_arguments(
     if local_addr:
         args.append(f"--local-addr={local_addr}")
     return args
+
+
+def launch_command(*, min_nodes: int, max_nodes: int, nproc_per_node: int, endpoint: str, run_id: str,
+                   max_restarts: int, local_addr: str | None = None, python: str = "python",
+                   grace_period_s: int | None = None, tuning: RendezvousTuning = PLATFORM_TUNING) -> list[str]:
+    """The full argv of a training pod, ending with ``-m training train``; append the trainer's overrides.
+
+    ``grace_period_s`` is the pod's termination grace period: the agent gives its workers that
+    much, less a margin for itself, between forwarding SIGTERM and SIGKILL (torchrun's default
+    is 30 s, whatever the pod allows).
+    """
+    flags = torchrun_arguments(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node,
+                               endpoint=endpoint, run_id=run_id, max_restarts=max_restarts, tuning=tuning,
+                               local_addr=local_addr)
+    flags.append("--start-method=fork")
+    if grace_period_s is not None:
+        flags.append(f"--shutdown-timeout={shutdown_timeout(grace_period_s)}")
+    return [python, "-m", LAUNCHER_MODULE, *flags, "-m", TRAINER_MODULE, "train"]
+
+
+def shutdown_timeout(grace_period_s: int) -> int:
+    """Seconds the workers get to checkpoint after SIGTERM, inside the pod's grace period."""
+    if grace_period_s <= SHUTDOWN_MARGIN_S:
+        raise ValueError(f"a grace period of {grace_period_s} s leaves no time to checkpoint; allowed: more than "
+                         f"{SHUTDOWN_MARGIN_S} s")
+    return grace_period_s - SHUTDOWN_MARGIN_S
+
+
+def _train_worker(*argv: str) -> None:
+    """A worker's entry point, run in a process forked from the agent."""
+    from training import elastic
+    from training.__main__ import main as trainer_main
+
+    code = trainer_main(list(argv))
+    if code:
+        raise SystemExit(code)
+    if elastic.received_signal():
+        # The agent is stopping the group (it sent the signal) and reads no result; torch's
+        # process wrapper would wait for it to read one, until the agent's SIGKILL.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _check_trainer_args(argv: list[str]) -> str | None:
+    """The first config problem of ``python -m training train <argv>``, before any agent starts."""
+    from training.config import load_train_config
+    from typed_config import ConfigError
+
+    if not argv or argv[0] != "train":
+        return None
+    config_path = None
+    overrides = []
+    rest = iter(argv[1:])
+    for arg in rest:
+        if arg == "--config":
+            config_path = next(rest, None)
+        elif arg.startswith("--config="):
+            config_path = arg.split("=", 1)[1]
+        else:
+            overrides.append(arg)
+    try:
+        load_train_config(config_path, overrides)
+    except ConfigError as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun with the platform's rendezvous, forked workers and exit statuses (see the module docstring)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The etcd client logs every failed request, ten a second during an outage; the rendezvous
+    # says once that etcd is away and once that it is back.
+    logging.getLogger("etcd.client").setLevel(logging.CRITICAL)
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from training import rendezvous
+
+    rendezvous.register()
+    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.module and args.training_script == TRAINER_MODULE:
+        problem = _check_trainer_args(args.training_script_args)
+        if problem:
+            print(f"config error: {problem}", file=sys.stderr)
+            return EXIT_CONFIG
+    config, entrypoint, entry_args = torchrun.config_from_args(args)
+    if args.module and args.training_script == TRAINER_MODULE and config.start_method == "fork":
+        entrypoint, entry_args = _train_worker, list(args.training_script_args)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
+    except SignalException as exc:
+        log.warning("stopped by %s; the workers checkpointed", exc.sigval.name)
+        return 128 + int(exc.sigval)
+    except RendezvousClosedError:
+        # Only a job's success closes its round: this node came after the end.
+        log.info("the job finished before this node could join; nothing to do")
+        return 0
+    except Exception as exc:  # noqa: BLE001 - any other end of the agent: this incarnation is over
+        log.error("the agent ended with %s: %s; asking for a fresh incarnation of the job",
+                  type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", exc_info=exc)
+        return EXIT_RESTART_JOB
+    for handler in rendezvous.CREATED:
+        try:
+            handler.close_round()
+        except Exception as exc:  # noqa: BLE001 - the job succeeded; a round left open only makes late pods wait
+            log.warning("the job finished but its rendezvous could not be closed (%s)", type(exc).__name__)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,7 +18,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from training.launch import LAUNCH_ENVIRONMENT, PLATFORM_TUNING, TRAINER_MODULE, RendezvousTuning, torchrun_arguments
+from training.launch import (
+    LAUNCH_ENVIRONMENT, PLATFORM_TUNING, TORCHRUN_BACKEND, TRAINER_MODULE, RendezvousTuning, TorchrunTuning,
+    launch_command, torchrun_arguments,
+)
 
 
 def free_port() -> int:
@@ -62,7 +65,11 @@ def etcd_binary() -> str:
 
 
 class LocalEtcd:
-    """``with LocalEtcd() as endpoint:`` a throwaway etcd on loopback; ``endpoint`` is host:port."""
+    """``with LocalEtcd() as endpoint:`` a throwaway etcd on loopback; ``endpoint`` is host:port.
+
+    ``stop()`` and ``start()`` take it away and bring it back on the same port, as a pod
+    rescheduled behind its Service would; ``start(empty=True)`` brings it back without its data.
+    """
 
     def __init__(self, arguments: list[str] | None = None, client_port: int | None = None):
         """``arguments`` replace the defaults (then ``client_port`` says where they listen)."""
@@ -70,51 +77,80 @@ class LocalEtcd:
         self._dir = tempfile.TemporaryDirectory(prefix="etcd-")
         self.data_dir = self._dir.name
         self.client_port = client_port or free_port()
+        self.peer_port = free_port()
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> str:
-        args = self._extra or etcd_arguments("local", self._dir.name, self.client_port, free_port())
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self, empty: bool = False) -> str:
+        if empty:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            os.makedirs(self.data_dir)
+        args = self._extra or etcd_arguments("local", self.data_dir, self.client_port, self.peer_port)
         self.proc = subprocess.Popen([etcd_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 20
         while True:
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/v2/keys", timeout=1).read()
-                return f"127.0.0.1:{self.client_port}"
+                urllib.request.urlopen(f"http://{self.endpoint}/v2/keys", timeout=1).read()
+                return self.endpoint
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.proc.kill()
                     raise RuntimeError(f"etcd did not start: {self.proc.stderr.read().decode()[-2000:]}") from None
                 time.sleep(0.1)
 
+    def stop(self) -> float:
+        """SIGKILL etcd, as a lost node does; returns the time it went away."""
+        at = time.time()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        return at
+
+    def __enter__(self) -> str:
+        return self.start()
+
     def __exit__(self, *_exc) -> None:
-        if self.proc is not None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=10)
         self._dir.cleanup()
 
 
 class Agent:
-    """One torchrun agent (a 'node') running ``python -m training train`` with the given overrides.
+    """One agent (a 'node') running ``python -m training train`` with the given overrides.
 
-    ``tuning=None`` runs torchrun's default rendezvous settings; ``share_store_fix=False`` leaves
-    out TORCH_DISABLE_SHARE_RDZV_TCP_STORE. Both exist for comparisons.
+    By default it runs exactly what a pod runs (:func:`training.launch.launch_command`).
+    ``launcher="torchrun"`` runs plain torchrun with its etcd-v2 rendezvous instead:
+    ``tuning`` then picks its settings (``None``: torch's defaults), and ``share_store_fix=False``
+    leaves out TORCH_DISABLE_SHARE_RDZV_TCP_STORE. Both exist for comparisons.
     """
 
     def __init__(self, name: str, endpoint: str, run_id: str, workdir: Path, trainer_args: list[str], *,
                  min_nodes: int = 1, max_nodes: int = 3, nproc_per_node: int = 1, max_restarts: int = 10,
-                 tuning: RendezvousTuning | None = PLATFORM_TUNING, share_store_fix: bool = True):
+                 launcher: str = "platform", tuning: RendezvousTuning | TorchrunTuning | None = PLATFORM_TUNING,
+                 share_store_fix: bool = True, grace_period_s: int = 60):
         self.name = name
         self.log_path = workdir / f"{name}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         if share_store_fix:
             env.update(LAUNCH_ENVIRONMENT)
-        args = torchrun_arguments(
-            min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, endpoint=endpoint,
-            run_id=run_id, max_restarts=max_restarts, tuning=tuning, local_addr="127.0.0.1",
-        )
-        command = [sys.executable, "-m", "torch.distributed.run", *args, "-m", TRAINER_MODULE, "train", *trainer_args]
+        if launcher == "platform":
+            command = launch_command(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node,
+                                     endpoint=endpoint, run_id=run_id, max_restarts=max_restarts,
+                                     local_addr="127.0.0.1", python=sys.executable, grace_period_s=grace_period_s,
+                                     tuning=tuning or PLATFORM_TUNING)
+        else:
+            args = torchrun_arguments(
+                min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, endpoint=endpoint,
+                run_id=run_id, max_restarts=max_restarts, tuning=tuning, local_addr="127.0.0.1",
+                backend=TORCHRUN_BACKEND,
+            )
+            command = [sys.executable, "-m", "torch.distributed.run", *args, "-m", TRAINER_MODULE, "train"]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait/kill
-        self.proc = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen([*command, *trainer_args], env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
 
     def kill_node(self) -> float:
@@ -124,6 +160,17 @@ class Agent:
         self.proc.wait()
         self._log.close()
         return killed_at
+
+    def kill_workers(self) -> float:
+        """SIGKILL the agent's worker processes (a crash, an OOM kill), not the agent."""
+        at = time.time()
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        for pid in children:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return at
 
     def terminate(self) -> float:
         """SIGTERM to the agent only, as the kubelet does to a pod's main process on eviction or spot notice."""

@@ -1,0 +1,221 @@
+"""Failure drills on the local cluster: what a job on EKS lives through, replayed on loopback.
+
+Each drill runs real agents (``python -m training.launch``, each its own process group, as a
+pod is) against a real etcd, does to them what a cluster does (lose a node, drain one, lose
+etcd for a while, restart it with or without its data, replace a failed pod, restart the whole
+job, schedule a pod after the end), and returns what happened, measured. The tests assert on
+these records; ``benchmarks/elastic_recovery.py`` prints them as the README's cost table.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from training.local_cluster import Agent, LocalEtcd, read_events, wait_until
+
+GLOBAL_BATCH = 32
+INTERVAL = 25  # checkpoint interval of the drills, in steps
+
+
+def trainer_args(work: Path, samples: int, epochs: int = 1) -> list[str]:
+    """A small MLP whose every step logs the sample ids it trained on."""
+    return [
+        "--model.name=mlp", "--model.image_size=16", "--model.num_classes=10",
+        f"--data.synthetic_samples={samples}", "--data.num_workers=0",
+        f"--train.global_batch_size={GLOBAL_BATCH}", "--train.micro_batch_size=16", f"--train.epochs={epochs}",
+        "--train.precision=fp32", "--train.log_every_steps=5", "--optim.lr=0.05",
+        f"--checkpoint.dir={work}/checkpoints", f"--checkpoint.interval_steps={INTERVAL}", "--checkpoint.keep_last=3",
+        f"--metrics.jsonl_path={work}/metrics.jsonl", f"--metrics.sample_log_dir={work}/samples",
+    ]
+
+
+def events(work: Path, kind: str | None = None) -> list[dict]:
+    found = read_events(work / "metrics.jsonl")
+    return [e for e in found if kind is None or e["event"] == kind]
+
+
+def trained_steps(work: Path) -> int:
+    """The highest step any rank finished, from the per-step sample logs."""
+    steps = [json.loads(line)["step"] for f in (work / "samples").glob("*.jsonl") for line in f.read_text().splitlines()]
+    return max(steps) + 1 if steps else 0
+
+
+def final_checkpoint(work: Path) -> dict:
+    import torch
+
+    last = sorted((work / "checkpoints").glob("step-*.pt"))[-1]
+    return torch.load(last, weights_only=False)
+
+
+def sample_coverage(work: Path, samples: int, epochs: int) -> tuple[int, dict[int, Counter]]:
+    """(counted steps, per-epoch sample counts over the counted steps) from the final checkpoint's history."""
+    history = final_checkpoint(work)["progress"]["history"]
+    counted = {(attempt, step) for attempt, first, end in history for step in range(first, end)}
+    seen: dict[int, Counter] = {epoch: Counter() for epoch in range(epochs)}
+    for log in (work / "samples").glob("*.jsonl"):
+        for line in log.read_text().splitlines():
+            record = json.loads(line)
+            if (record["attempt"], record["step"]) in counted:
+                seen[record["epoch"]].update(record["ids"])
+    return len(counted), seen
+
+
+def every_sample_once(work: Path, samples: int, epochs: int = 1) -> bool:
+    steps, seen = sample_coverage(work, samples, epochs)
+    return steps == epochs * samples // GLOBAL_BATCH and all(
+        set(counts) == set(range(samples)) and set(counts.values()) == {1} for counts in seen.values())
+
+
+@dataclass
+class Disruption:
+    """One thing done to a running job, and what it cost."""
+
+    what: str
+    at: float
+    lasted_s: float = 0.0
+    steps_during: int = 0  # steps the job trained while it lasted
+    steps_lost: int = 0  # steps trained before it and trained again after
+    restarts: int = 0  # re-rendezvous rounds it caused
+    stalled_s: float = 0.0  # longest gap between step lines from its start to 20 s after it
+
+
+@dataclass
+class DrillResult:
+    work: Path
+    exit_codes: dict[str, int] = field(default_factory=dict)
+    disruptions: list[Disruption] = field(default_factory=list)
+    outputs: dict[str, str] = field(default_factory=dict)
+
+
+def _steps_between(work: Path, start: float, end: float) -> list[dict]:
+    return [e for e in events(work, "step") if start <= e["time"] <= end]
+
+
+def _stall(work: Path, start: float, end: float) -> float:
+    """The longest time without a step line from ``start`` on (up to the last line before ``end``)."""
+    times = [start] + [e["time"] for e in _steps_between(work, start, end)]
+    return max((b - a for a, b in zip(times, times[1:])), default=end - start)
+
+
+def sample_records(work: Path) -> list[dict]:
+    return [json.loads(line) for f in (work / "samples").glob("*.jsonl") for line in f.read_text().splitlines()]
+
+
+def _account(work: Path, item: Disruption) -> None:
+    """Fill in the cost of ``item``: steps trained meanwhile, restarts, steps lost, the longest stall."""
+    end = item.at + item.lasted_s
+    window = [e["step"] for e in _steps_between(work, item.at, end)]
+    item.steps_during = max(window) - min(window) if len(window) > 1 else 0
+    rounds = [e for e in events(work, "rendezvous") if item.at < e["time"] < end + 20]
+    item.restarts = len(rounds)
+    if rounds:
+        new_attempts = {r["attempt"] for r in rounds}
+        before = max((r["step"] + 1 for r in sample_records(work) if r["attempt"] not in new_attempts), default=0)
+        resume = next(e for e in events(work, "resume") if e["time"] > item.at)
+        item.steps_lost = max(0, before - resume["step"])
+    item.stalled_s = _stall(work, item.at, end + 20)
+
+
+def etcd_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000_000, nodes: int = 2) -> DrillResult:
+    """Two nodes train while etcd goes away and comes back as ``plan`` says.
+
+    ``plan`` items: ("down", seconds) etcd killed, back on its data after that long;
+    ("restart", 0) killed and restarted at once on its data; ("empty", 0) restarted without its
+    data; ("wait", seconds) nothing happens.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    result = DrillResult(work)
+    etcd = LocalEtcd()
+    endpoint = etcd.start()
+    agents = [Agent(name, endpoint, "etcd-drill", work, trainer_args(work, samples), max_restarts=20)
+              for name in "ab"[:nodes]]
+    try:
+        wait_until(lambda: len(events(work, "step")) >= 10, "training", 120, agents)
+        for kind, seconds in plan:
+            item = Disruption(f"etcd {kind}" + (f" {seconds:.0f} s" if kind == "down" else ""), time.time())
+            if kind == "down":
+                etcd.stop()
+                time.sleep(seconds)
+                etcd.start()
+            elif kind in ("restart", "empty"):
+                etcd.stop()
+                etcd.start(empty=kind == "empty")
+            else:
+                time.sleep(seconds)
+                continue
+            item.lasted_s = time.time() - item.at
+            time.sleep(6)  # let a re-rendezvous, if any, happen before accounting
+            _account(work, item)
+            result.disruptions.append(item)
+        for agent in agents:
+            result.exit_codes[agent.name] = agent.wait(timeout=900)
+    finally:
+        for agent in agents:
+            agent.stop()
+            result.outputs[agent.name] = agent.output()
+        etcd.__exit__()
+    return result
+
+
+def incarnation_drill(work: Path, samples: int = 120_000) -> DrillResult:
+    """An agent fails for good, a replacement pod rejoins, the job restarts afresh, a pod comes after the end.
+
+    What Volcano does is played by hand: the replacement of a failed pod keeps the job version
+    (the same rendezvous id); the whole-job restart bumps it (a new id); the late pod has the
+    finished incarnation's id.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    result = DrillResult(work)
+    args = trainer_args(work, samples)
+    with LocalEtcd() as endpoint:
+        fragile = Agent("a", endpoint, "job-v0", work, args, max_restarts=0)  # fails at its first worker failure
+        steady = Agent("b", endpoint, "job-v0", work, args, max_restarts=20)
+        agents = [fragile, steady]
+        try:
+            wait_until(lambda: len(events(work, "step")) >= 10, "training", 120, agents)
+            failed = Disruption("a node's workers fail for good", time.time())
+            fragile.kill_workers()
+            result.exit_codes["a"] = fragile.wait(timeout=120)
+            wait_until(lambda: [e for e in events(work, "rendezvous") if e["time"] > failed.at
+                                and e["world_size"] == 1], "the survivor alone", 120, agents)
+            failed.lasted_s = time.time() - failed.at
+            _account(work, failed)
+            result.disruptions.append(failed)
+
+            replaced = Disruption("the failed pod's replacement rejoins", time.time())
+            replacement = Agent("a2", endpoint, "job-v0", work, args, max_restarts=20)
+            agents.append(replacement)
+            wait_until(lambda: [e for e in events(work, "rendezvous") if e["time"] > replaced.at
+                                and e["world_size"] == 2], "the replacement joining", 120, agents)
+            replaced.lasted_s = time.time() - replaced.at
+            _account(work, replaced)
+            result.disruptions.append(replaced)
+
+            restarted = Disruption("the whole job restarts under a new version", time.time())
+            for agent in (steady, replacement):
+                agent.kill_node()  # Volcano's RestartJob deletes every pod of the old version
+            fresh = [Agent(name, endpoint, "job-v1", work, args, max_restarts=20) for name in ("c", "d")]
+            agents += fresh
+            wait_until(lambda: [e for e in events(work, "resume") if e["time"] > restarted.at], "the new version",
+                       120, agents)
+            restarted.lasted_s = time.time() - restarted.at
+            _account(work, restarted)
+            result.disruptions.append(restarted)
+            for agent in fresh:
+                result.exit_codes[agent.name] = agent.wait(timeout=600)
+
+            late = Disruption("a pod arrives after the end", time.time())
+            straggler = Agent("e", endpoint, "job-v1", work, args, max_restarts=20)
+            agents.append(straggler)
+            result.exit_codes["e"] = straggler.wait(timeout=120)
+            late.lasted_s = time.time() - late.at
+            result.disruptions.append(late)
+        finally:
+            for agent in agents:
+                agent.stop()
+                result.outputs[agent.name] = agent.output()
+    return result
