@@ -1,17 +1,19 @@
 """Elastic recovery on loopback: time from killing a node to the survivor's first step, and steps lost.
 
-Two real torchrun agents (CPU, gloo) and a real etcd. One agent's process group is SIGKILLed,
-as a node dies; the clock stops at the first step the survivor finishes afterwards. Three
-launch settings run side by side, alternating, in one run:
+Two real agents (CPU, gloo) and a real etcd. One agent's process group is SIGKILLed, as a
+node dies; the clock stops at the first step the survivor finishes afterwards. Three launchers
+run side by side, alternating, in one run:
 
-- platform: the platform's own settings (training/launch.py: PLATFORM_TUNING, etcd-v2,
-  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1);
-- tuned torchrun: DESIGN.md's tuned --rdzv-conf (last_call_timeout=2, keep_alive 1 s x 3);
-- torchrun defaults: no --rdzv-conf.
+- platform: what a pod runs (training/launch.py launch_command: the platform-etcd rendezvous
+  with sub-second keep-alives, forked workers);
+- tuned torchrun: plain torchrun, etcd-v2, DESIGN.md's tuned --rdzv-conf (last call 2 s,
+  keep-alive 1 s x 3);
+- torchrun defaults: plain torchrun, etcd-v2, no --rdzv-conf.
 
-Then one SIGTERM trial with the platform settings: steps lost must be 0.
+Then one SIGTERM trial with the platform launcher (steps lost must be 0), and with --failures
+the failure drills (training/drills.py) whose costs the README's elasticity table shows.
 
-    python benchmarks/elastic_recovery.py [--trials 3]
+    python benchmarks/elastic_recovery.py [--trials 5] [--failures]   (--trials 0: the failure table alone)
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.launch import PLATFORM_TUNING, RendezvousTuning  # noqa: E402
+from training.launch import PLATFORM_TUNING, TorchrunTuning  # noqa: E402
 from training.local_cluster import Agent, LocalEtcd, read_events, wait_until  # noqa: E402
 
+# name -> (launcher, tuning)
 SETTINGS = {
-    "platform": PLATFORM_TUNING,
-    "tuned torchrun": RendezvousTuning(last_call_timeout=2, keep_alive_interval=1, keep_alive_max_attempt=3),
-    "torchrun defaults": None,
+    "platform": ("platform", PLATFORM_TUNING),
+    "tuned torchrun": ("torchrun", TorchrunTuning()),
+    "torchrun defaults": ("torchrun", None),
 }
 INTERVAL = 50
 
@@ -51,11 +54,12 @@ def _steps(work: Path, after: float = 0.0, world: int | None = None) -> list[dic
             and (world is None or e["world_size"] == world)]
 
 
-def trial(etcd: str, name: str, tuning, signal_kind: str = "kill") -> dict:
+def trial(etcd: str, name: str, signal_kind: str = "kill") -> dict:
+    launcher, tuning = SETTINGS[name]
     work = Path(tempfile.mkdtemp(prefix="recovery-"))
     run_id = f"bench-{time.monotonic_ns()}"
-    a = Agent("a", etcd, run_id, work, trainer_args(work), tuning=tuning)
-    b = Agent("b", etcd, run_id, work, trainer_args(work), tuning=tuning)
+    a = Agent("a", etcd, run_id, work, trainer_args(work), launcher=launcher, tuning=tuning)
+    b = Agent("b", etcd, run_id, work, trainer_args(work), launcher=launcher, tuning=tuning)
     try:
         wait_until(lambda: len(_steps(work, world=2)) > 80, "two nodes training", 120, [a, b], poll=0.02)
         before = max(e["step"] for e in _steps(work))
@@ -76,15 +80,19 @@ def trial(etcd: str, name: str, tuning, signal_kind: str = "kill") -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--failures", action="store_true", help="also run the failure drills and print their costs")
     args = parser.parse_args()
     results: list[dict] = []
+    if args.trials == 0:  # the failure table alone
+        failure_table()
+        return
     with LocalEtcd() as etcd:
         for _ in range(args.trials):
-            for name, tuning in SETTINGS.items():
-                results.append(trial(etcd, name, tuning))
+            for name in SETTINGS:
+                results.append(trial(etcd, name))
                 print(json.dumps(results[-1]), flush=True)
-        results.append(trial(etcd, "platform", PLATFORM_TUNING, "term"))
+        results.append(trial(etcd, "platform", "term"))
         print(json.dumps(results[-1]), flush=True)
     print(f"\nrecovery from a killed node, median of {args.trials} (checkpoint interval {INTERVAL} steps):")
     platform = statistics.median(r["recovery_s"] for r in results if r["setting"] == "platform" and r["signal"] == "kill")
@@ -96,6 +104,27 @@ def main() -> None:
               f"runs {[r['recovery_s'] for r in runs]}  max steps lost {lost}")
     term = results[-1]
     print(f"  SIGTERM (platform) {term['recovery_s']:6.2f} s  steps lost {term['steps_lost']}")
+    if args.failures:
+        failure_table()
+
+
+def failure_table() -> None:
+    """What each failure costs a running job: the drills of tests/test_job_lifecycle.py, measured."""
+    from training.drills import etcd_drill, every_sample_once, incarnation_drill
+
+    plan = [("wait", 3), ("down", 20), ("wait", 3), ("down", 60), ("wait", 3), ("restart", 0), ("wait", 3),
+            ("empty", 0)]
+    runs = [etcd_drill(Path(tempfile.mkdtemp(prefix="etcd-drill-")), plan, samples=900_000),
+            incarnation_drill(Path(tempfile.mkdtemp(prefix="incarnations-")))]
+    print("\nwhat each failure costs (two nodes, checkpoint every 25 steps):")
+    print(f"  {'disruption':<45} {'lasted':>7} {'trained meanwhile':>18} {'re-rendezvous':>14} "
+          f"{'steps lost':>11} {'longest pause':>14}")
+    for run in runs:
+        for d in run.disruptions:
+            print(f"  {d.what:<45} {d.lasted_s:6.1f}s {d.steps_during:>12} steps {d.restarts:>14} "
+                  f"{d.steps_lost:>11} {d.stalled_s:>13.1f}s")
+        print(f"  exit codes {run.exit_codes}; every sample once: "
+              f"{every_sample_once(run.work, 900_000 if 'etcd' in str(run.work) else 120_000)}")
 
 
 if __name__ == "__main__":

@@ -5,29 +5,73 @@ from __future__ import annotations
 from cdk8s import Chart
 from constructs import Construct
 
-from config import PlatformConfig
-from config.catalog import INSTANCE_TYPE_LABEL, NODE_ROLE_LABEL, SYSTEM_ROLE
+from config import AcceleratedNodeGroupConfig, PlatformConfig
+from config.catalog import INSTANCE_TYPE_LABEL, NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
+from config.model import CapacityType
 from k8s_charts.job_spec import FSX_MOUNT, JobSpec
 from k8s_charts.objects import k8s_object
 from k8s_charts.platform_charts import FSX_CLAIM, TRAINER_SERVICE_ACCOUNT, etcd_endpoint
-from training.launch import LAUNCH_ENVIRONMENT, TRAINER_MODULE, torchrun_arguments
+from training.launch import (
+    EXIT_CONFIG, EXIT_RESTART_JOB, LAUNCH_ENVIRONMENT, SPOT_NOTICE_ENV, TRAINER_MODULE, launch_command,
+)
 
 # Kept free on every node for the kubelet, the OS and the platform's DaemonSets.
 RESERVED_VCPUS = 4
 RESERVED_MEMORY_FRACTION = 0.10
 SHM_FRACTION = 0.25  # /dev/shm (DataLoader workers pass batches through it), of the pod's memory
-# SIGTERM to the pod -> torchrun -> workers checkpoint; torchrun waits 30 s before SIGKILL.
+# SIGTERM to the pod -> the agent -> workers checkpoint; the agent gives them this much less its
+# margin (training.launch.shutdown_timeout) before SIGKILL.
 TERMINATION_GRACE_SECONDS = 120
+# A pod on a node that stopped answering is deleted (and replaced) after this long instead of
+# Kubernetes' default 300 s; the survivors have gone on without it within seconds anyway.
+LOST_NODE_TOLERATION_SECONDS = 60
+# The pod annotations Volcano's job controller writes (pkg/controllers/job/job_controller_util.go
+# createJobPod, v1.15.1): the PodGroup name (<job>-<uid>) and the job version, which only a
+# whole-job restart bumps (job_controller_actions.go killPods).
+GROUP_NAME_ANNOTATION = "scheduling.k8s.io/group-name"
+JOB_VERSION_ANNOTATION = "volcano.sh/job-version"
+# GPU jobs: a peer that stops answering fails the step after this long (the post-warm-up
+# process-group timeout; NCCL's watchdog then aborts the communicator).
+GPU_COLLECTIVE_TIMEOUT_S = 30
+
+
+def job_policies() -> list[dict]:
+    """What Volcano v1.15.1's job controller does when a pod of the job ends (pkg/controllers/job).
+
+    Exit-code policies come first: the controller takes the first policy that matches, checking
+    each policy's events before its exit code (job_controller_util.go applyPolicies).
+    - the trainer's config is wrong: terminate, nothing would fix it by retrying;
+    - the agent's workers failed for good: restart the whole job, which bumps the job version
+      and so gives the next incarnation a fresh rendezvous id;
+    - any other failure of a pod: replace that pod alone (RestartPod deletes only it); the
+      survivors go on at N-1 through the rendezvous, and the replacement joins them;
+    - a deleted pod (drain, lost node, preemption): no policy; the controller's default sync
+      recreates the missing pod (job_controller_actions.go syncJob), also alone.
+    Every RestartPod counts against ``maxRetry``.
+    """
+    return [
+        {"exitCode": EXIT_CONFIG, "action": "TerminateJob"},
+        {"exitCode": EXIT_RESTART_JOB, "action": "RestartJob"},
+        {"event": "PodFailed", "action": "RestartPod"},
+    ]
 
 
 def nccl_environment(efa: bool, rdma: bool) -> dict[str, str]:
     """NCCL over EFA (DESIGN.md); without EFA only the interface and error settings apply."""
     env = {
         "NCCL_SOCKET_IFNAME": "^lo,docker,pod-id-link",
+        # A failed or timed-out collective aborts the communicator and ends the worker, so its
+        # agent restarts the group instead of waiting forever (torch ProcessGroupNCCL watchdog).
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "120",
     }
     if efa:
-        env.update(FI_PROVIDER="efa", FI_EFA_FORK_SAFE="1")
+        # Fork-safe: DataLoader workers and the launcher's workers are forked. Huge pages off: the
+        # EFA provider uses none when fork-safe (libfabric man/fi_efa.7.md, v1.22.0 to v2.6.0), so the
+        # pod requests no hugepages-2Mi, which nodes of a group at zero could not advertise to
+        # cluster-autoscaler anyway. Said explicitly, so it never depends on that default.
+        env.update(FI_PROVIDER="efa", FI_EFA_FORK_SAFE="1", FI_EFA_USE_HUGE_PAGE="0")
         if rdma:
             env["FI_EFA_USE_DEVICE_RDMA"] = "1"
     return env
@@ -50,12 +94,31 @@ def _env(values: dict[str, str]) -> list[dict]:
     return [{"name": k, "value": str(v)} for k, v in sorted(values.items())]
 
 
-def _trainer_flags(spec: JobSpec) -> list[str]:
+def _trainer_flags(spec: JobSpec, config: PlatformConfig) -> list[str]:
     flags = [f"--config={spec.trainer_config}"] if spec.trainer_config else []
     args = {**spec.trainer_args, "checkpoint.dir": spec.checkpoint_dir()}
     if spec.dataset_path:
         args.setdefault("data.path", spec.dataset_path)
+    if spec.group(config).instance.accelerator is Accelerator.NVIDIA:
+        args.setdefault("distributed.timeout_s", GPU_COLLECTIVE_TIMEOUT_S)
     return flags + [f"--{key}={_scalar(value)}" for key, value in args.items()]
+
+
+def spot_environment(group: AcceleratedNodeGroupConfig) -> dict[str, str]:
+    """On Spot nodes the trainer watches the node's metadata for the two-minute interruption notice
+    and checkpoints before the drain's SIGTERM (the launch template's hop limit 2 lets pods reach it)."""
+    return {SPOT_NOTICE_ENV: "imds"} if group.capacity_type is CapacityType.SPOT else {}
+
+
+def cache_environment(spec: JobSpec, config: PlatformConfig) -> dict[str, str]:
+    """Compiler caches on the shared file system, per job: a restart or a new world size does not
+    compile again what an earlier incarnation compiled (torch.compile's Inductor and Triton caches;
+    the Neuron compiler's cache). Not under the S3-linked directories: caches stay on FSx."""
+    cache = f"{FSX_MOUNT}/cache/{spec.name}"
+    if spec.group(config).instance.accelerator is Accelerator.NEURON:
+        # As AWS's Neuron samples on EKS do: the compile cache and the collectives' socket interface.
+        return {"NEURON_CC_FLAGS": f"--cache_dir={cache}/neuron", "CCOM_SOCKET_IFNAME": "eth0"}
+    return {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton"}
 
 
 def _scalar(value) -> str:
@@ -80,21 +143,27 @@ def _shared_volumes(memory_gib: int) -> tuple[list[dict], list[dict]]:
 def _downward_env() -> list[dict]:
     return [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        # Volcano names a job's PodGroup <job>-<uid>: unique for every submission, the same
-        # for all its pods and their restarts. Resubmitting a job never meets an old round.
-        {"name": "RDZV_ID", "valueFrom": {"fieldRef": {
-            "fieldPath": "metadata.annotations['scheduling.k8s.io/group-name']"}}},
+        # Volcano names a job's PodGroup <job>-<uid>: unique for every submission. With the job
+        # version it is unique for every incarnation: a pod replaced alone keeps both and joins
+        # the running round; a whole-job restart gets a fresh, open one.
+        {"name": "PODGROUP", "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.annotations['{GROUP_NAME_ANNOTATION}']"}}},
+        {"name": "JOB_VERSION", "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.annotations['{JOB_VERSION_ANNOTATION}']"}}},
     ]
 
 
-def torchrun_command(spec: JobSpec, config: PlatformConfig, trainer: list[str]) -> list[str]:
-    """``torchrun <platform flags> -m training <trainer args>``."""
-    flags = torchrun_arguments(
+RDZV_ID = "$(PODGROUP)-v$(JOB_VERSION)"  # the kubelet expands both from the container's env
+
+
+def pod_command(spec: JobSpec, config: PlatformConfig, subcommand: list[str]) -> list[str]:
+    """The launcher's command for this job (training.launch.launch_command), then the subcommand's args."""
+    command = launch_command(
         min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, nproc_per_node=spec.nproc_per_node(config),
-        endpoint=etcd_endpoint(config), run_id="$(RDZV_ID)", max_restarts=spec.max_restarts,
-        local_addr="$(POD_IP)",
+        endpoint=etcd_endpoint(config), run_id=RDZV_ID, max_restarts=spec.max_restarts, local_addr="$(POD_IP)",
+        grace_period_s=TERMINATION_GRACE_SECONDS,
     )
-    return ["torchrun", *flags, "-m", TRAINER_MODULE, *trainer]
+    return [*command[:-1], *subcommand]  # launch_command ends with the "train" subcommand
 
 
 class _VolcanoJobChart(Chart):
@@ -111,13 +180,14 @@ class _VolcanoJobChart(Chart):
         efa = spec.efa_devices(config) > 0
         env = {**nccl_environment(efa, rdma=instance.accelerator_model in ("A100", "H100", "H200", "Trainium",
                                                                            "Trainium2")),
-               **LAUNCH_ENVIRONMENT, "OMP_NUM_THREADS": "1", **(extra_env or {}), **spec.env}
+               **cache_environment(spec, config), **LAUNCH_ENVIRONMENT, "OMP_NUM_THREADS": "1",
+               **spot_environment(group), **(extra_env or {}), **spec.env}
         labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "training-platform"}
         container = {
             "name": "trainer",
             "image": spec.image,
-            # The kubelet expands $(POD_IP) and $(RDZV_ID) from the container's env; no shell needed.
-            "command": torchrun_command(spec, config, trainer),
+            # The kubelet expands $(POD_IP), $(PODGROUP) and $(JOB_VERSION) from the env; no shell.
+            "command": pod_command(spec, config, trainer),
             "env": _downward_env() + _env(env),
             "resources": resources,
             "volumeMounts": mounts,
@@ -129,15 +199,16 @@ class _VolcanoJobChart(Chart):
                       "queue": spec.queue or config.jobs.queue.name,
                       "priorityClassName": spec.priority_class or config.jobs.priority_class.name,
                       "minAvailable": spec.min_nodes,
+                      # Training ended as soon as one pod succeeds: every agent of the final round exits
+                      # 0 after the final checkpoint, and pods still waiting for a node must not keep
+                      # the job Running (pkg/controllers/job/state/running.go, v1.15.1).
+                      "minSuccess": 1,
                       "maxRetry": spec.max_restarts,
                       "ttlSecondsAfterFinished": config.jobs.ttl_seconds_after_finished,
                       # svc: a headless Service and hostnames; env: VC_TASK_INDEX. torchrun needs neither
                       # for rendezvous (etcd), but they make pods addressable for debugging.
                       "plugins": {"svc": [], "env": []},
-                      # A lost pod restarts the whole job (all pods re-rendezvous and resume from
-                      # the newest checkpoint); torchrun inside a pod handles worker failures itself.
-                      "policies": [{"event": "PodEvicted", "action": "RestartJob"},
-                                   {"event": "PodFailed", "action": "RestartJob"}],
+                      "policies": job_policies(),
                       "tasks": [{
                           "name": "worker",
                           "replicas": spec.max_nodes,
@@ -149,8 +220,12 @@ class _VolcanoJobChart(Chart):
                                   "serviceAccountName": TRAINER_SERVICE_ACCOUNT,
                                   "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
                                   "nodeSelector": {INSTANCE_TYPE_LABEL: instance.name},
-                                  "tolerations": [{"key": instance.taint_key, "operator": "Exists",
-                                                   "effect": "NoSchedule"}],
+                                  "tolerations": [
+                                      {"key": instance.taint_key, "operator": "Exists", "effect": "NoSchedule"},
+                                      *({"key": key, "operator": "Exists", "effect": "NoExecute",
+                                         "tolerationSeconds": LOST_NODE_TOLERATION_SECONDS}
+                                        for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")),
+                                  ],
                                   "containers": [container],
                                   "volumes": volumes,
                               },
@@ -163,11 +238,15 @@ class TrainingJobChart(_VolcanoJobChart):
     """The elastic training job: ``torchrun ... -m training train <the spec's trainer args>``."""
 
     def __init__(self, scope: Construct, id: str, config: PlatformConfig, spec: JobSpec):
-        super().__init__(scope, id, config, spec, spec.name, ["train", *_trainer_flags(spec)])
+        super().__init__(scope, id, config, spec, spec.name, ["train", *_trainer_flags(spec, config)])
 
 
 class NcclCheckChart(_VolcanoJobChart):
-    """An all-reduce bandwidth sweep over the job's nodes; fails if EFA was wanted and NCCL is not on it."""
+    """An all-reduce bandwidth sweep over the job's nodes; fails if EFA was wanted and NCCL is not on it.
+
+    GPU groups only: on Trainium, collectives run through the Neuron runtime, which
+    ``allreduce-bench`` (NCCL or gloo) does not drive, so no check is rendered there.
+    """
 
     def __init__(self, scope: Construct, id: str, config: PlatformConfig, spec: JobSpec):
         sweep = ["allreduce-bench", "--max-bytes=2147483648"]

@@ -7,6 +7,7 @@ from typing import Any
 from constructs import Construct
 
 from config import PlatformConfig
+from config.catalog import Accelerator
 from k8s_charts.job_charts import NcclCheckChart, TrainingJobChart
 from k8s_charts.job_spec import JobSpec
 from k8s_charts.platform_charts import (
@@ -28,7 +29,8 @@ def render_platform(scope: Construct, config: PlatformConfig, volume: LustreVolu
 
 def render_job(scope: Construct, config: PlatformConfig, spec: JobSpec) -> None:
     TrainingJobChart(scope, spec.name, config, spec)
-    NcclCheckChart(scope, f"{spec.name}-nccl-check", config, spec)
+    if spec.group(config).instance.accelerator is Accelerator.NVIDIA:
+        NcclCheckChart(scope, f"{spec.name}-nccl-check", config, spec)
 
 
 def volume_from_outputs(outputs: dict[str, Any], config: PlatformConfig) -> LustreVolumeValues:

@@ -1,9 +1,9 @@
 """The charts' own etcd arguments and torchrun command, run for real on loopback.
 
 etcd starts with the Deployment's args (only addresses, ports and the data dir changed for
-loopback), and two agents run the training job's command (only $(POD_IP), $(RDZV_ID), the
-etcd address and the per-node process count changed; the trainer is told to train a tiny
-model). They must rendezvous into one world of two and finish.
+loopback), and two agents run the training job's command (only the interpreter, $(POD_IP),
+the rendezvous id, the etcd address and the per-node process count changed; the trainer is
+told to train a tiny model). They must rendezvous into one world of two and finish.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def local_command(endpoint: str, run_id: str, work) -> list[str]:
     command = container(the_job(RENDERED, "resnet50-imagenet"))["command"]
     trainer_at = command.index("train")
     swapped = [
-        part.replace("$(POD_IP)", "127.0.0.1").replace("$(RDZV_ID)", run_id)
+        part.replace("$(POD_IP)", "127.0.0.1").replace("$(PODGROUP)-v$(JOB_VERSION)", run_id)
         .replace("etcd.training-platform.svc.cluster.local:2379", endpoint)
         for part in command[1:trainer_at + 1]
     ]
@@ -49,7 +49,7 @@ def local_command(endpoint: str, run_id: str, work) -> list[str]:
             "--data.num_workers=0", "--train.global_batch_size=32", "--train.micro_batch_size=16",
             "--train.max_steps=4", "--train.precision=fp32", f"--checkpoint.dir={work}/ck",
             f"--metrics.jsonl_path={work}/metrics.jsonl"]
-    return [sys.executable, "-m", "torch.distributed.run", *swapped, *tiny]
+    return [sys.executable, *swapped, *tiny]
 
 
 def test_two_agents_rendezvous_through_an_etcd_started_with_the_charts_arguments(tmp_path):

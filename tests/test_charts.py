@@ -15,11 +15,12 @@ from cdk8s import App
 
 from config import CATALOG, parse_config
 from config.catalog import accelerated_types
-from k8s_charts.job_charts import DataPrepChart
+from k8s_charts.job_charts import TERMINATION_GRACE_SECONDS, DataPrepChart
 from k8s_charts.job_spec import load_job_spec, parse_job_spec
 from k8s_charts.platform_charts import LustreVolumeValues
 from k8s_charts.render import manifests, render_job, render_platform
 from k8s_charts.volcano import SCHEDULER_ACTIONS, helm_values
+from training.launch import launch_command
 from tests.conftest import REPO, example_data
 from typed_config import ConfigError
 
@@ -146,36 +147,52 @@ def test_gpus_efa_and_nproc_come_from_the_catalog(instance_type):
     assert int(c["resources"]["requests"]["cpu"]) < facts.vcpus  # headroom for the system
 
 
-def test_the_training_job_runs_torchrun_with_the_platform_launch_settings():
+def test_the_training_job_runs_the_platform_launcher_with_its_settings():
     job = the_job(RENDERED, "resnet50-imagenet")
     command = container(job)["command"]
-    assert command[:1] == ["torchrun"] and command[command.index("-m") + 1 : command.index("-m") + 3] == [
-        "training", "train"]
+    spec = load_job_spec(EXAMPLES / "resnet50-p4d.yaml", CONFIG)
+    expected = launch_command(min_nodes=2, max_nodes=4, nproc_per_node=8,
+                              endpoint="etcd.training-platform.svc.cluster.local:2379",
+                              run_id="$(PODGROUP)-v$(JOB_VERSION)", max_restarts=spec.max_restarts,
+                              local_addr="$(POD_IP)", grace_period_s=TERMINATION_GRACE_SECONDS)
+    assert command[:len(expected)] == expected  # built by launch_command, nothing added in between
+    assert command[:3] == ["python", "-m", "training.launch"] and expected[-3:] == ["-m", "training", "train"]
     assert flag(command, "nnodes") == "2:4" and job["spec"]["minAvailable"] == 2
     assert job["spec"]["tasks"][0]["replicas"] == 4
-    assert flag(command, "rdzv-backend") == "etcd-v2"
-    assert flag(command, "rdzv-endpoint") == "etcd.training-platform.svc.cluster.local:2379"
-    assert flag(command, "rdzv-id") == "$(RDZV_ID)" and flag(command, "local-addr") == "$(POD_IP)"
-    assert "last_call_timeout=1" in flag(command, "rdzv-conf")
+    assert flag(command, "rdzv-backend") == "platform-etcd" and flag(command, "start-method") == "fork"
+    assert "keep_alive_interval=0.25" in flag(command, "rdzv-conf") and "outage_tolerance=120" in flag(
+        command, "rdzv-conf")
+    # torchrun's 30 s default would SIGKILL checkpointing workers long before the pod's grace ends.
+    assert int(flag(command, "shutdown-timeout")) == TERMINATION_GRACE_SECONDS - 15
     env = {e["name"]: e for e in container(job)["env"]}
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]["value"] == "1"
-    assert env["RDZV_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == (
-        "metadata.annotations['scheduling.k8s.io/group-name']")
-    assert {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}.items() <= {
+    annotations = {name: env[name]["valueFrom"]["fieldRef"]["fieldPath"] for name in ("PODGROUP", "JOB_VERSION")}
+    assert annotations == {"PODGROUP": "metadata.annotations['scheduling.k8s.io/group-name']",
+                           "JOB_VERSION": "metadata.annotations['volcano.sh/job-version']"}
+    assert {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
+            "TORCHINDUCTOR_CACHE_DIR": "/fsx/cache/resnet50-imagenet/inductor"}.items() <= {
         k: v.get("value") for k, v in env.items()}.items()
     assert flag(command, "checkpoint.dir") == "/fsx/checkpoints/resnet50-imagenet"
     assert flag(command, "data.path") == "/fsx/datasets/imagenet/train"
+    assert flag(command, "distributed.timeout_s") == "30"  # a dead GPU peer fails the step in 30 s
 
 
-def test_the_job_is_gang_scheduled_restarted_and_cleaned_up():
+def test_a_lost_pod_is_replaced_alone_and_only_total_failure_restarts_the_job():
     spec = the_job(RENDERED, "resnet50-imagenet")["spec"]
     assert spec["schedulerName"] == "volcano" and spec["queue"] == "training"
     assert spec["plugins"] == {"svc": [], "env": []}
-    assert {(p["event"], p["action"]) for p in spec["policies"]} == {("PodEvicted", "RestartJob"),
-                                                                     ("PodFailed", "RestartJob")}
+    # Exit-code policies first (Volcano takes the first match); no PodEvicted policy, so a deleted
+    # pod is recreated alone by the controller's sync.
+    assert spec["policies"] == [{"exitCode": 78, "action": "TerminateJob"},
+                                {"exitCode": 79, "action": "RestartJob"},
+                                {"event": "PodFailed", "action": "RestartPod"}]
+    assert spec["minSuccess"] == 1  # done when training is, whatever pods still wait for nodes
     assert spec["ttlSecondsAfterFinished"] == 86400
     pod = spec["tasks"][0]["template"]["spec"]
-    assert pod["restartPolicy"] == "Never"
+    assert pod["restartPolicy"] == "Never" and pod["terminationGracePeriodSeconds"] == TERMINATION_GRACE_SECONDS
+    lost = {t["key"]: t["tolerationSeconds"] for t in pod["tolerations"] if t.get("effect") == "NoExecute"}
+    assert lost == {"node.kubernetes.io/not-ready": 60, "node.kubernetes.io/unreachable": 60}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
     assert volumes["fsx"]["persistentVolumeClaim"]["claimName"] == "fsx"
@@ -184,16 +201,39 @@ def test_the_job_is_gang_scheduled_restarted_and_cleaned_up():
 def test_the_nccl_check_requires_efa_on_all_nodes():
     job = the_job(RENDERED, "resnet50-imagenet-nccl-check")
     command = container(job)["command"]
-    assert command[command.index("-m") + 2] == "allreduce-bench" and "--require-efa" in command
+    module = max(i for i, part in enumerate(command) if part == "-m")
+    assert command[module + 1:module + 3] == ["training", "allreduce-bench"] and "--require-efa" in command
     assert job["spec"]["minAvailable"] == 4 and flag(command, "nnodes") == "4:4"
 
 
-def test_trn1_runs_one_worker_per_neuron_core():
+def test_efa_pods_use_no_huge_pages_and_request_none():
+    c = container(the_job(RENDERED, "resnet50-imagenet"))
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["FI_EFA_FORK_SAFE"] == "1" and env["FI_EFA_USE_HUGE_PAGE"] == "0"
+    assert not [r for r in c["resources"]["limits"] if r.startswith("hugepages-")]
+
+
+def test_spot_pods_watch_for_the_interruption_notice():
+    spot_group = {"name": "g5", "instance_type": "g5.xlarge", "min_size": 0, "desired_size": 0, "max_size": 4,
+                  "placement_group": False, "capacity_type": "SPOT"}
+    config = parse_config({**example_data(), "accelerated_node_groups": [spot_group]})
+    spec = parse_job_spec({"name": "spot-job", "image": "repo.example.com/trainer:1", "node_group": "g5"}, config)
+    spot = {e["name"]: e.get("value") for e in container(the_job(render(config, [spec]), "spot-job"))["env"]}
+    on_demand = {e["name"] for e in container(the_job(RENDERED, "resnet50-imagenet"))["env"]}
+    assert spot["PLATFORM_SPOT_NOTICE"] == "imds" and "PLATFORM_SPOT_NOTICE" not in on_demand
+
+
+def test_trn1_runs_one_worker_per_neuron_core_with_its_compile_cache_on_fsx_and_no_nccl_check():
     job = the_job(RENDERED, "bert-large-mlm")
     c = container(job)
     assert flag(c["command"], "nproc-per-node") == "32"
     assert c["resources"]["limits"]["aws.amazon.com/neuron"] == 16
     assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == 8
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["NEURON_CC_FLAGS"] == "--cache_dir=/fsx/cache/bert-large-mlm/neuron"
+    assert env["CCOM_SOCKET_IFNAME"] == "eth0"
+    assert "bert-large-mlm-nccl-check" not in RENDERED  # allreduce-bench cannot drive Neuron collectives
+    assert "--distributed.timeout_s=30" not in c["command"]
 
 
 # --- platform charts --------------------------------------------------------------------------
@@ -210,6 +250,8 @@ def test_etcd_serves_v2_on_a_stable_service_from_system_nodes():
     assert {"readinessProbe", "livenessProbe"} <= set(pod["containers"][0])
     assert pod["volumes"] == [{"name": "data", "emptyDir": {}}]
     assert service["metadata"]["name"] == "etcd" and service["spec"]["ports"][0]["port"] == 2379
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
 
 
 def test_etcd_can_keep_its_state_on_a_persistent_volume():

@@ -1,4 +1,4 @@
-"""Real torchrun agents on CPU (gloo) with a real etcd: a node dies, a node joins, a node is told to stop.
+"""Real agents (the pod's launcher, CPU, gloo) with a real etcd: a node dies, a node joins, a node is told to stop.
 
 One job runs through all three events and is compared with an uninterrupted run of the same
 config. Each agent is its own process group, so killing the group is what losing a pod does.

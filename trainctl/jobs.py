@@ -12,6 +12,7 @@ from config import PlatformConfig
 from k8s_charts.job_charts import NcclCheckChart, TrainingJobChart
 from k8s_charts.job_spec import JobSpec
 from k8s_charts.render import manifests
+from config.catalog import Accelerator
 from trainctl.errors import UserError
 
 GROUP, VERSION, PLURAL = "batch.volcano.sh", "v1alpha1", "jobs"
@@ -19,6 +20,9 @@ JOB_LABEL = "volcano.sh/job-name"
 
 
 def render(config: PlatformConfig, spec: JobSpec, nccl_check: bool = False) -> list[dict]:
+    if nccl_check and spec.group(config).instance.accelerator is not Accelerator.NVIDIA:
+        raise UserError(f"--nccl-check: node group {spec.node_group} is Trainium, whose collectives run through the "
+                        "Neuron runtime, not NCCL; allowed: a job on a GPU node group")
     app = App()
     chart = NcclCheckChart if nccl_check else TrainingJobChart
     chart(app, "job", config, spec)

@@ -95,8 +95,13 @@ def _steps_between(work: Path, start: float, end: float) -> list[dict]:
     return [e for e in events(work, "step") if start <= e["time"] <= end]
 
 
+def _steps_at(work: Path, after: float, world_size: int) -> list[dict]:
+    return [e for e in events(work, "step") if e["time"] > after and e["world_size"] == world_size]
+
+
 def _stall(work: Path, start: float, end: float) -> float:
-    """The longest time without a step line from ``start`` on (up to the last line before ``end``)."""
+    """The longest time without a step line from ``start`` on, up to ``end`` or now, whichever is first."""
+    end = min(end, time.time())
     times = [start] + [e["time"] for e in _steps_between(work, start, end)]
     return max((b - a for a, b in zip(times, times[1:])), default=end - start)
 
@@ -183,6 +188,7 @@ def incarnation_drill(work: Path, samples: int = 120_000) -> DrillResult:
             wait_until(lambda: [e for e in events(work, "rendezvous") if e["time"] > failed.at
                                 and e["world_size"] == 1], "the survivor alone", 120, agents)
             failed.lasted_s = time.time() - failed.at
+            wait_until(lambda: _steps_at(work, failed.at, world_size=1), "the survivor training", 120, agents)
             _account(work, failed)
             result.disruptions.append(failed)
 
@@ -192,6 +198,7 @@ def incarnation_drill(work: Path, samples: int = 120_000) -> DrillResult:
             wait_until(lambda: [e for e in events(work, "rendezvous") if e["time"] > replaced.at
                                 and e["world_size"] == 2], "the replacement joining", 120, agents)
             replaced.lasted_s = time.time() - replaced.at
+            wait_until(lambda: _steps_at(work, replaced.at, world_size=2), "both training", 120, agents)
             _account(work, replaced)
             result.disruptions.append(replaced)
 

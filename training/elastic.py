@@ -8,11 +8,14 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from training.launch import IMDS_ENDPOINT_ENV, SPOT_NOTICE_ENV  # noqa: F401 - the names callers use
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -109,10 +112,60 @@ def shorten_timeout(seconds: int) -> None:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when ``flag`` is true on any rank (one tiny all-reduce)."""
+def any_rank(*flags: bool, device: torch.device) -> tuple[bool, ...]:
+    """Each flag true on every rank when it is true on any rank (one tiny all-reduce for all of them)."""
     if not dist.is_initialized():
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
+        return flags
+    value = torch.tensor([1.0 if flag else 0.0 for flag in flags], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item() > 0)
+    return tuple(bool(v > 0) for v in value.tolist())
+
+
+class SpotNotice:
+    """Watches the node's metadata for EC2's two-minute Spot interruption notice.
+
+    ``spot/instance-action`` answers 404 until EC2 schedules the interruption, then the action
+    and its time (EC2 User Guide, "Spot Instance interruption notices"); IMDSv2 needs a session
+    token first. One rank per node polls; the training loop checkpoints at the next step once any
+    rank has seen the notice, before the drain's SIGTERM arrives.
+    """
+
+    def __init__(self, enabled: bool, interval_s: float = 5.0) -> None:
+        self._seen = threading.Event()
+        self._acted = False
+        self.action: str | None = None
+        if enabled:
+            self._endpoint = os.environ.get(IMDS_ENDPOINT_ENV, "http://169.254.169.254").rstrip("/")
+            thread = threading.Thread(target=self._watch, args=(interval_s,), name="spot-notice", daemon=True)
+            thread.start()
+
+    @property
+    def pending(self) -> bool:
+        """Seen and not acted on yet."""
+        return self._seen.is_set() and not self._acted
+
+    def acted(self) -> None:
+        self._acted = True
+
+    def _watch(self, interval_s: float) -> None:
+        import json
+        import urllib.error
+        import urllib.request
+
+        while not self._seen.is_set():
+            try:
+                token_request = urllib.request.Request(f"{self._endpoint}/latest/api/token", method="PUT", headers={
+                    "X-aws-ec2-metadata-token-ttl-seconds": "300"})
+                token = urllib.request.urlopen(token_request, timeout=2).read().decode()  # noqa: S310
+                request = urllib.request.Request(f"{self._endpoint}/latest/meta-data/spot/instance-action",
+                                                 headers={"X-aws-ec2-metadata-token": token})
+                self.action = json.loads(urllib.request.urlopen(request, timeout=2).read()).get("action")  # noqa: S310
+                log.warning("EC2 Spot interruption notice (%s): checkpointing now, before the drain", self.action)
+                self._seen.set()
+                return
+            except urllib.error.HTTPError as exc:
+                if exc.code != 404:
+                    log.debug("instance metadata answered %s", exc.code)
+            except (OSError, ValueError):
+                pass  # no metadata service (off EC2) or a transient error: try again
+            time.sleep(interval_s)

@@ -41,6 +41,10 @@ EXIT_CONFIG = 78  # EX_CONFIG: the trainer's config is wrong; nothing retries it
 EXIT_RESTART_JOB = 79  # this incarnation cannot go on (workers failed for good): restart the job afresh
 # Seconds between the pod's SIGTERM and the end of its grace period kept for the agent itself.
 SHUTDOWN_MARGIN_S = 15
+# Environment the launcher and the charts give the trainer.
+STOP_BUDGET_ENV = "PLATFORM_STOP_BUDGET_S"  # seconds a SIGTERM leaves the workers before SIGKILL
+SPOT_NOTICE_ENV = "PLATFORM_SPOT_NOTICE"  # "imds": watch for the two-minute Spot interruption notice
+IMDS_ENDPOINT_ENV = "PLATFORM_IMDS_ENDPOINT"  # the instance metadata service; tests point it at loopback
 
 log = logging.getLogger("training.launch")
 
@@ -206,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.module and args.training_script == TRAINER_MODULE and config.start_method == "fork":
         entrypoint, entry_args = _train_worker, list(args.training_script_args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The workers' budget between SIGTERM and SIGKILL; the trainer checks its checkpoints against it.
+    os.environ[STOP_BUDGET_ENV] = str(config.shutdown_timeout or 30)
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except SignalException as exc:

@@ -23,7 +23,8 @@ handler (registered by :mod:`training.launch` as ``platform-etcd``) differs from
   pod that replaces it.
 
 Keep-alive intervals and timeouts may be fractions of a second (torch's parser takes whole
-seconds), which is what makes recovery from a lost node fast.
+seconds), and a waiting rendezvous polls etcd ten times a second instead of once: that is what
+makes recovery from a lost node fast.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from datetime import datetime, timedelta, timezone
 
 import etcd  # python-etcd, which torch's etcd-v2 backend uses
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousParameters
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler, RendezvousSettings, RendezvousTimeout, _BackendRendezvousStateHolder,
     _RendezvousKeepAliveOp,
@@ -219,8 +221,23 @@ class PlatformRendezvousHandler(DynamicRendezvousHandler):
         self.set_closed()
 
 
+# While a rendezvous waits for others (the last call, a dead node's expiry), torch polls the
+# state once a second (dynamic_rendezvous.py, _DistributedRendezvousOpExecutor.run, SYNC), which
+# adds up to a second to every recovery; the platform polls ten times a second.
+SYNC_POLL_S = 0.1
+_torch_delay = dynamic_rendezvous._delay
+
+
+def _platform_delay(seconds) -> None:
+    if isinstance(seconds, tuple):  # the random skew before a first round
+        _torch_delay(seconds)
+    else:
+        _torch_delay(min(seconds, SYNC_POLL_S))
+
+
 def register() -> None:
     """Make ``--rdzv-backend platform-etcd`` available to torch's agent in this process."""
+    dynamic_rendezvous._delay = _platform_delay
     try:
         handler_registry.register(BACKEND_NAME, PlatformRendezvousHandler.create)
     except ValueError:

@@ -30,6 +30,7 @@ from training.checkpoint import CheckpointManager
 from training.config import TrainConfig
 from training.data import DataError, Keyed, build_dataset, build_loader
 from training.device import Runtime, detect, move
+from training.launch import STOP_BUDGET_ENV
 from training.metrics import MetricsWriter, training_flops_per_sample
 from training.models import build_model
 from training.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, SampleKey, fixed_global_layout
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 # Exit status of ranks that stopped only because a peer was told to: torchrun must restart
 # them into a new rendezvous round, not treat the job as finished.
 EXIT_MEMBERSHIP_CHANGE = 75
+# A checkpoint write longer than this share of that budget is warned about.
+STOP_BUDGET_SHARE = 0.8
 
 
 @dataclass
@@ -93,9 +96,17 @@ class Trainer:
         self.stop.install()
         self.membership = elastic.Membership.from_environment()
         self.runtime: Runtime = detect(config.train.device)
+        # The long first timeout covers the very first start only (first broadcast, compilation);
+        # a restart resumes from a checkpoint and must notice a dead peer as soon as any step would.
+        self.first_start = not CheckpointManager(config.checkpoint.dir).steps()
         elastic.init_process_group(
-            self.runtime.backend, self.membership, self.runtime.device, config.distributed.startup_timeout_s
+            self.runtime.backend, self.membership, self.runtime.device,
+            config.distributed.startup_timeout_s if self.first_start else config.distributed.timeout_s,
         )
+        # Seconds between SIGTERM and SIGKILL, as the launcher was told (the pod's grace less a margin).
+        self.stop_budget_s = float(os.environ.get(STOP_BUDGET_ENV, "30"))
+        self.spot = elastic.SpotNotice(os.environ.get(elastic.SPOT_NOTICE_ENV) == "imds"
+                                       and self.membership.local_rank == 0)
         self.distributed = dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -115,6 +126,7 @@ class Trainer:
         self.progress = Progress()
         self.resumed_from: int | None = None
         self._saved_step: int | None = None
+        self._budget_warned = False
         self._resume()
         self.attempt = self._agree_on_attempt_id()
         self.first_step = self.progress.step
@@ -219,16 +231,21 @@ class Trainer:
             while self.progress.offset < self.plan.dataset_size and not self._reached(total_steps):
                 loss, data_wait, step_time = self._step(batches)
                 window.add(loss, data_wait, step_time)
-                if self.distributed and self.progress.step - self.first_step == cfg.distributed.warmup_steps:
+                if (self.distributed and self.first_start
+                        and self.progress.step - self.first_step == cfg.distributed.warmup_steps):
                     elastic.shorten_timeout(cfg.distributed.timeout_s)
-                stop_now = elastic.any_rank(self.stop.requested, self._flag_device())
+                stop_now, notice = elastic.any_rank(self.stop.requested, self.spot.pending,
+                                                    device=self._flag_device())
                 if self.progress.step % cfg.train.log_every_steps == 0:
                     last_loss = self._report(window, flops_per_sample)
                 if stop_now:
-                    self._save(synchronous=True)
+                    self._save(synchronous=True, reason="stop")
                     stopped = True
                     break
-                if self.progress.step % cfg.checkpoint.interval_steps == 0:
+                if notice:
+                    self.spot.acted()
+                    self._save(synchronous=True, reason="spot-notice")
+                elif self.progress.step % cfg.checkpoint.interval_steps == 0:
                     self._save(synchronous=False)
             del batches, loader
             if stopped:
@@ -346,7 +363,7 @@ class Trainer:
 
     # --- checkpoints -----------------------------------------------------------------------
 
-    def _save(self, synchronous: bool) -> None:
+    def _save(self, synchronous: bool, reason: str = "interval") -> None:
         self._saved_step = self.progress.step
         rng = _rng_state()
         states = [None] * self.world_size if self.rank == 0 else None
@@ -373,8 +390,16 @@ class Trainer:
             self.checkpoints.save(progress.step, state)
             if synchronous:
                 self.checkpoints.wait()
+            # The newest write that finished (this one when synchronous): what a SIGTERM would cost.
+            write_s = self.checkpoints.last_write_seconds
             self.metrics.event("checkpoint", step=progress.step, path=str(self.checkpoints.path(progress.step)),
-                               blocking_s=round(time.perf_counter() - started, 4), asynchronous=not synchronous)
+                               blocking_s=round(time.perf_counter() - started, 4), asynchronous=not synchronous,
+                               reason=reason, last_write_s=round(write_s, 3), stop_budget_s=self.stop_budget_s)
+            if write_s > STOP_BUDGET_SHARE * self.stop_budget_s and not self._budget_warned:
+                self._budget_warned = True
+                log.warning("a checkpoint takes %.1f s to write, more than %.0f%% of the %.0f s a SIGTERM leaves "
+                            "before SIGKILL: raise the pod's grace period or write less", write_s,
+                            100 * STOP_BUDGET_SHARE, self.stop_budget_s)
         if synchronous and self.distributed:
             dist.barrier()  # nobody exits before the checkpoint is on disk
 
