@@ -1,48 +1,130 @@
-"""Checkpoint overhead: the same training run with and without checkpoints, side by side.
+"""What checkpoints cost: training time at the default interval, and loading at a restart.
 
-    python benchmarks/checkpoint_overhead.py [--interval 20 --steps 120]
+    python benchmarks/checkpoint_overhead.py [--interval 20 --steps 120] [--ranks 2 4]
 
-Checkpointing at a short interval makes its cost measurable; the cost per checkpoint is then
-scaled to the default interval (checkpoint.interval_steps). Both async (the default) and
-synchronous saves are measured.
+1. Overhead. The same training run without checkpoints, with asynchronous saves (the default)
+   and with synchronous ones, side by side, several times each. Checkpointing at a short
+   interval makes its cost measurable; the cost per checkpoint is then scaled to the default
+   interval (checkpoint.interval_steps).
+2. Restart. A checkpoint of the same model is resumed under the platform launcher with 2 and
+   4 workers: rank 0 reads the file once and broadcasts it (the ``resume`` event's ``read_s`` and
+   ``load_s``). Beside it, the same number of processes each reading the file themselves, as
+   every rank did before, with the bytes each approach reads from the shared file system. Here
+   the file is in the page cache and the broadcast is gloo on loopback, so the times show the
+   cost of the broadcast, not what FSx would charge for N reads: that is the bytes column.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
 from training.config import CheckpointSection, load_train_config  # noqa: E402
 from training.trainer import Trainer  # noqa: E402
 
 
+def model_args(args) -> list[str]:
+    return [f"--model.name={args.model}", f"--model.image_size={args.image_size}", "--data.num_workers=0",
+            f"--train.global_batch_size={args.batch}", f"--train.micro_batch_size={args.batch}",
+            "--train.precision=fp32", "--train.device=cpu", f"--optim.name={args.optimizer}"]
+
+
 def run(args, interval: int, async_save: bool) -> tuple[float, float, int]:
-    """(training seconds, seconds the loop blocked on saves, checkpoints written)."""
+    """(training seconds, seconds the loop blocked on saves, checkpoints written before the last step)."""
     with tempfile.TemporaryDirectory() as scratch:
         config = load_train_config(None, [
-            f"--model.name={args.model}", f"--model.image_size={args.image_size}", "--data.num_workers=0",
-            f"--train.global_batch_size={args.batch}", f"--train.micro_batch_size={args.batch}",
-            f"--train.max_steps={args.steps}", "--train.precision=fp32", "--train.device=cpu",
-            f"--train.log_every_steps={args.steps}", f"--checkpoint.dir={scratch}",
-            f"--checkpoint.interval_steps={interval}", f"--checkpoint.async_save={str(async_save).lower()}",
-            f"--metrics.jsonl_path={scratch}/metrics.jsonl",
+            *model_args(args), f"--train.max_steps={args.steps}", f"--train.log_every_steps={args.steps}",
+            f"--checkpoint.dir={scratch}", f"--checkpoint.interval_steps={interval}",
+            f"--checkpoint.async_save={str(async_save).lower()}", f"--metrics.jsonl_path={scratch}/metrics.jsonl",
         ])
         trainer = Trainer(config)
         started = time.perf_counter()
         trainer.run()
         elapsed = time.perf_counter() - started
         events = [json.loads(line) for line in open(f"{scratch}/metrics.jsonl")]
-    saves = [e for e in events if e["event"] == "checkpoint"]
-    # The final checkpoint is written by both runs; count only the periodic ones.
-    periodic = [e for e in saves if e["step"] < args.steps]
+    # The final checkpoint is written by every run; count only the periodic ones.
+    periodic = [e for e in events if e["event"] == "checkpoint_saved" and e["step"] < args.steps]
     return elapsed, sum(e["blocking_s"] for e in periodic), len(periodic)
+
+
+def overhead(args) -> None:
+    default_interval = CheckpointSection().interval_steps
+    results: dict[str, list] = {"none": [], "async": [], "sync": []}
+    for _ in range(args.repeats):  # interleaved, so drift hits every mode alike
+        results["none"].append(run(args, 10**9, True))
+        results["async"].append(run(args, args.interval, True))
+        results["sync"].append(run(args, args.interval, False))
+    base = statistics.median(r[0] for r in results["none"])
+    step_time = base / args.steps
+    print(f"model {args.model} {args.image_size}px batch {args.batch}, {args.steps} steps, "
+          f"{step_time * 1000:.1f} ms/step without checkpoints (median of {args.repeats})")
+    for mode in ("async", "sync"):
+        elapsed = statistics.median(r[0] for r in results[mode])
+        count = statistics.median(r[2] for r in results[mode])
+        per_save = max(0.0, (elapsed - base) / count)
+        blocking = statistics.median(r[1] for r in results[mode]) / count
+        at_default = per_save / (default_interval * step_time)
+        print(f"  {mode:<5} {count:.0f} saves in {args.steps} steps: {100 * (elapsed - base) / base:5.2f} % of "
+              f"training time; {per_save * 1000:.0f} ms per checkpoint ({blocking * 1000:.0f} ms blocking the "
+              f"loop) -> {100 * at_default:.3f} % at the default interval of {default_interval} steps")
+
+
+def restart(args) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        common = [*model_args(args), f"--checkpoint.dir={work}/checkpoints", "--checkpoint.async_save=false",
+                  f"--metrics.jsonl_path={work}/metrics.jsonl", "--train.log_every_steps=1"]
+        subprocess.run([sys.executable, "-m", "training", "train", *common, "--train.max_steps=1"], cwd=REPO,
+                       check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        checkpoint = next((work / "checkpoints").glob("step-*.pt"))
+        size = checkpoint.stat().st_size
+        print(f"\nrestart: a checkpoint of {size / 2**20:.0f} MiB ({args.model} {args.image_size}px, "
+              f"{args.optimizer}), median of {args.repeats}")
+        for ranks in args.ranks:
+            broadcast, each_reads = [], []
+            for repeat in range(args.repeats):
+                events = work / f"metrics-{ranks}-{repeat}.jsonl"
+                target = work / f"checkpoints-{ranks}-{repeat}"
+                target.mkdir()
+                os.link(checkpoint, target / checkpoint.name)
+                subprocess.run(
+                    [sys.executable, "-m", "training.launch", "--standalone", f"--nproc-per-node={ranks}",
+                     "--start-method=fork", "-m", "training", "train", *common, f"--metrics.jsonl_path={events}",
+                     "--train.max_steps=2", f"--checkpoint.dir={target}"],
+                    cwd=REPO, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                resume = next(e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "resume")
+                broadcast.append((resume["read_s"], resume["load_s"]))
+                each_reads.append(_every_rank_reads(checkpoint, ranks))
+            read = statistics.median(r for r, _ in broadcast)
+            total = statistics.median(t for _, t in broadcast)
+            print(f"  {ranks} ranks: rank 0 reads ({read:.2f} s) and broadcasts, all loaded in {total:.2f} s, "
+                  f"{size / 2**20:.0f} MiB read from the file system  |  every rank reads itself: "
+                  f"{statistics.median(each_reads):.2f} s, {ranks * size / 2**20:.0f} MiB read")
+
+
+READER = """
+import sys, time, torch
+started = time.perf_counter()
+torch.load(sys.argv[1], map_location="cpu", weights_only=True)
+print(time.perf_counter() - started)
+"""
+
+
+def _every_rank_reads(checkpoint: Path, ranks: int) -> float:
+    """Seconds until the last of ``ranks`` processes, started together, has loaded the file itself."""
+    readers = [subprocess.Popen([sys.executable, "-c", READER, str(checkpoint)], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(ranks)]
+    return max(float(r.communicate()[0]) for r in readers)
 
 
 def main() -> None:
@@ -50,29 +132,16 @@ def main() -> None:
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--interval", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
-    default_interval = CheckpointSection().interval_steps
-    results: dict[str, list] = {"none": [], "async": [], "sync": []}
-    for _ in range(args.repeats):
-        results["none"].append(run(args, 10**9, True))
-        results["async"].append(run(args, args.interval, True))
-        results["sync"].append(run(args, args.interval, False))
-    base = statistics.median(r[0] for r in results["none"])
-    step_time = base / args.steps
-    print(f"model {args.model} {args.image_size}px batch {args.batch}, {args.steps} steps, "
-          f"{step_time * 1000:.1f} ms/step without checkpoints")
-    for mode in ("async", "sync"):
-        elapsed = statistics.median(r[0] for r in results[mode])
-        count = results[mode][0][2]
-        per_save = max(0.0, (elapsed - base) / count)
-        blocking = statistics.median(r[1] for r in results[mode]) / count
-        at_default = per_save / (default_interval * step_time)
-        print(f"  {mode:<5} every {args.interval} steps: {100 * (elapsed - base) / base:5.2f} % of training time; "
-              f"{per_save * 1000:.0f} ms per checkpoint ({blocking * 1000:.0f} ms blocking the loop) -> "
-              f"{100 * at_default:.3f} % at the default interval of {default_interval} steps")
+    if not args.skip_overhead:
+        overhead(args)
+    restart(args)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from k8s_charts.job_spec import FSX_MOUNT, JobSpec
 from k8s_charts.objects import k8s_object
 from k8s_charts.platform_charts import FSX_CLAIM, TRAINER_SERVICE_ACCOUNT, etcd_endpoint
 from training.launch import (
-    EXIT_CONFIG, EXIT_RESTART_JOB, LAUNCH_ENVIRONMENT, SPOT_NOTICE_ENV, TRAINER_MODULE, launch_command,
+    EXIT_CONFIG, EXIT_DIVERGED, EXIT_RESTART_JOB, LAUNCH_ENVIRONMENT, SPOT_NOTICE_ENV, TRAINER_MODULE, launch_command,
 )
 
 # Kept free on every node for the kubelet, the OS and the platform's DaemonSets.
@@ -40,7 +40,8 @@ def job_policies() -> list[dict]:
 
     Exit-code policies come first: the controller takes the first policy that matches, checking
     each policy's events before its exit code (job_controller_util.go applyPolicies).
-    - the trainer's config is wrong: terminate, nothing would fix it by retrying;
+    - the trainer's config, data or checkpoint directory is wrong, or its loss diverged:
+      terminate, nothing would fix it by retrying;
     - the agent's workers failed for good: restart the whole job, which bumps the job version
       and so gives the next incarnation a fresh rendezvous id;
     - any other failure of a pod: replace that pod alone (RestartPod deletes only it); the
@@ -51,6 +52,7 @@ def job_policies() -> list[dict]:
     """
     return [
         {"exitCode": EXIT_CONFIG, "action": "TerminateJob"},
+        {"exitCode": EXIT_DIVERGED, "action": "TerminateJob"},
         {"exitCode": EXIT_RESTART_JOB, "action": "RestartJob"},
         {"event": "PodFailed", "action": "RestartPod"},
     ]
@@ -97,6 +99,7 @@ def _env(values: dict[str, str]) -> list[dict]:
 def _trainer_flags(spec: JobSpec, config: PlatformConfig) -> list[str]:
     flags = [f"--config={spec.trainer_config}"] if spec.trainer_config else []
     args = {**spec.trainer_args, "checkpoint.dir": spec.checkpoint_dir()}
+    args.setdefault("checkpoint.staging_dir", spec.staging_dir())
     if spec.dataset_path:
         args.setdefault("data.path", spec.dataset_path)
     if spec.group(config).instance.accelerator is Accelerator.NVIDIA:

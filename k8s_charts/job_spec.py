@@ -106,6 +106,11 @@ class JobSpec(StrictModel):
     def checkpoint_dir(self) -> str:
         return self.checkpoint_path or f"{FSX_MOUNT}/checkpoints/{self.name}"
 
+    def staging_dir(self) -> str:
+        """Where checkpoint files are written before their rename: on FSx, outside the S3-linked
+        directories, so nothing half-written is exported."""
+        return f"{FSX_MOUNT}/staging/{self.name}"
+
 
 def parse_job_spec(data: dict[str, Any], config: PlatformConfig, source: str = "job") -> JobSpec:
     """Validate a job spec mapping against the platform config. Raises ConfigError."""

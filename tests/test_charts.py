@@ -174,6 +174,8 @@ def test_the_training_job_runs_the_platform_launcher_with_its_settings():
             "TORCHINDUCTOR_CACHE_DIR": "/fsx/cache/resnet50-imagenet/inductor"}.items() <= {
         k: v.get("value") for k, v in env.items()}.items()
     assert flag(command, "checkpoint.dir") == "/fsx/checkpoints/resnet50-imagenet"
+    # Written beside the S3-linked tree, renamed into it: nothing half-written is exported.
+    assert flag(command, "checkpoint.staging_dir") == "/fsx/staging/resnet50-imagenet"
     assert flag(command, "data.path") == "/fsx/datasets/imagenet/train"
     assert flag(command, "distributed.timeout_s") == "30"  # a dead GPU peer fails the step in 30 s
 
@@ -185,6 +187,7 @@ def test_a_lost_pod_is_replaced_alone_and_only_total_failure_restarts_the_job():
     # Exit-code policies first (Volcano takes the first match); no PodEvicted policy, so a deleted
     # pod is recreated alone by the controller's sync.
     assert spec["policies"] == [{"exitCode": 78, "action": "TerminateJob"},
+                                {"exitCode": 76, "action": "TerminateJob"},
                                 {"exitCode": 79, "action": "RestartJob"},
                                 {"event": "PodFailed", "action": "RestartPod"}]
     assert spec["minSuccess"] == 1  # done when training is, whatever pods still wait for nodes

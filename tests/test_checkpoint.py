@@ -1,4 +1,5 @@
-"""Checkpoints: atomic on a kill mid-write, newest complete wins, last K kept, async writes."""
+"""Checkpoints: atomic on a kill mid-write, announced only when durable, staged outside the
+exported tree under unique names, loaded without running code, and checked at startup."""
 
 from __future__ import annotations
 
@@ -13,40 +14,95 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from training.checkpoint import CheckpointManager
+from training.checkpoint import STALE_TEMPORARY_S, CheckpointError, CheckpointManager, _unique
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_a_kill_during_a_write_leaves_the_previous_checkpoint_usable(tmp_path):
-    manager = CheckpointManager(tmp_path, keep_last=3)
+    directory, staging = tmp_path / "checkpoints", tmp_path / "staging"
+    manager = CheckpointManager(directory, keep_last=3, staging_dir=staging)
     manager.save(10, {"weights": torch.arange(4.0)})
     writer = textwrap.dedent(f"""
         import torch
         from training.checkpoint import CheckpointManager
-        CheckpointManager({str(tmp_path)!r}).save(20, {{"weights": torch.ones(96 * 2**20)}})  # 384 MiB
+        CheckpointManager({str(directory)!r}, staging_dir={str(staging)!r}).save(
+            20, {{"weights": torch.ones(96 * 2**20)}})  # 384 MiB
     """)
     proc = subprocess.Popen([sys.executable, "-c", writer], cwd=REPO)
     deadline = time.monotonic() + 60
-    while not any(p.name.startswith(".step-000000020.pt.tmp") and p.stat().st_size > 0 for p in tmp_path.iterdir()):
+    while not any(p.name.startswith("step-000000020.pt.") and p.stat().st_size > 0 for p in staging.iterdir()):
         assert proc.poll() is None and time.monotonic() < deadline, "the writer finished before it could be killed"
         time.sleep(0.001)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
 
     assert manager.steps() == [10]  # the half-written file never carries a checkpoint name
-    step, state = manager.load_latest()
-    assert step == 10 and torch.equal(state["weights"], torch.arange(4.0))
-    manager.save(30, {"weights": torch.zeros(1)})  # the next save clears the dead writer's leftovers
-    assert not list(tmp_path.glob(".step-*"))
+    assert sorted(p.name for p in directory.iterdir()) == ["step-000000010.pt"]  # nothing half-written is exported
+    newest = manager.load_newest()
+    assert newest.step == 10 and torch.equal(newest.state["weights"], torch.arange(4.0))
+
+    # The dead writer's leftover is kept while it could still be a live writer's, removed once stale.
+    (leftover,) = staging.iterdir()
+    manager.save(30, {"weights": torch.zeros(1)})
+    assert leftover.exists()
+    old = time.time() - STALE_TEMPORARY_S - 60
+    os.utime(leftover, (old, old))
+    manager.save(40, {"weights": torch.zeros(1)})
+    assert not leftover.exists()
 
 
-def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+def test_temporary_names_are_unique_even_for_the_same_pid(tmp_path):
+    # Pods on a shared file system have their own pid namespaces: pid 1 writes in every one of them.
+    assert _unique() != _unique()
+    assert f".{os.getpid()}." in _unique()
+
+
+def test_a_checkpoint_is_announced_only_once_it_is_on_disk(tmp_path):
+    announced = []
+
+    def on_saved(saved):
+        assert saved.path.exists() and saved.path.stat().st_size == saved.bytes  # renamed into place already
+        assert CheckpointManager(tmp_path).load_newest().step == saved.step  # and readable by anyone
+        announced.append(saved.step)
+
+    manager = CheckpointManager(tmp_path, async_save=True, on_saved=on_saved)
+    manager.save(5, {"weights": torch.ones(2**20)})
+    manager.wait()
+    assert announced == [5] and manager.last_saved.write_s > 0
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_one_and_says_so(tmp_path):
     manager = CheckpointManager(tmp_path)
     manager.save(1, {"step": 1})
     manager.save(2, {"step": 2})
     manager.path(2).write_bytes(manager.path(2).read_bytes()[:20])  # torn by some other tool
-    assert manager.load_latest()[0] == 1
+    newest = manager.load_newest()
+    assert newest.step == 1 and newest.unreadable and newest.unreadable[0].startswith("step-000000002.pt: ")
+    manager.path(1).write_bytes(b"\0" * 64)  # overwritten by some other tool
+    assert manager.load_newest().unreadable[-1] == (
+        "step-000000001.pt: not a checkpoint file (torn, truncated or overwritten)")
+
+
+class _Planted:
+    """What someone with write access to the shared file system could leave there."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_loading_never_runs_code_from_the_file(tmp_path):
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    manager.save(1, {"step": 1})
+    marker = tmp_path / "code-ran"
+    torch.save({"model": _Planted(str(marker))}, manager.path(2))
+    newest = manager.load_newest()
+    assert not marker.exists()
+    assert newest.step == 1 and newest.unreadable[0].startswith(
+        "step-000000002.pt: refused: it holds code, not only tensors and plain values (Unsupported global: GLOBAL io.open")
 
 
 def test_only_the_last_k_are_kept(tmp_path):
@@ -62,7 +118,7 @@ def test_async_save_copies_first_so_later_changes_do_not_leak_in(tmp_path):
     manager.save(1, {"weights": weights})
     weights += 1  # training goes on while the file is written
     manager.wait()
-    assert torch.equal(manager.load_latest()[1]["weights"], torch.zeros(1000))
+    assert torch.equal(manager.load_newest().state["weights"], torch.zeros(1000))
 
 
 def test_an_async_write_error_surfaces_in_the_training_loop(tmp_path):
@@ -73,5 +129,40 @@ def test_an_async_write_error_surfaces_in_the_training_loop(tmp_path):
         manager.wait()
 
 
+def test_waiting_for_a_write_can_be_bounded(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINING_FAULT_SLOW_CHECKPOINT_WRITE_S", "2")
+    manager = CheckpointManager(tmp_path, async_save=True)
+    manager.save(1, {"x": torch.ones(10)})
+    started = time.monotonic()
+    assert manager.wait(timeout=0.2) is False and time.monotonic() - started < 1
+    assert manager.in_flight
+    assert manager.wait() is True and manager.steps() == [1]
+
+
 def test_no_checkpoint_means_a_fresh_start(tmp_path):
-    assert CheckpointManager(tmp_path / "none").load_latest() is None
+    newest = CheckpointManager(tmp_path / "none").load_newest()
+    assert newest.state is None and newest.unreadable == []
+
+
+def test_the_probe_finds_an_unusable_directory_before_any_training(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match=r"^checkpoint\.dir: cannot create .*file/checkpoints \(Not a directory\)"):
+        CheckpointManager(tmp_path / "file" / "checkpoints").probe()
+    # A staging directory on another file system: every rename into place would fail (EXDEV).
+    other = "/dev/shm" if os.stat("/dev/shm").st_dev != os.stat(tmp_path).st_dev else None
+    if other is None:
+        pytest.skip("no second file system here")
+    staging = f"{other}/staging-{os.getpid()}"
+    with pytest.raises(CheckpointError, match=r"^checkpoint\.staging_dir: cannot move a file .* same file system"):
+        CheckpointManager(tmp_path / "checkpoints", staging_dir=staging).probe()
+    os.rmdir(staging)
+    CheckpointManager(tmp_path / "checkpoints", staging_dir=tmp_path / "staging").probe()  # fine: same one
+    assert os.listdir(tmp_path / "checkpoints") == [] and os.listdir(tmp_path / "staging") == []
+
+
+def test_setting_aside_keeps_the_files_but_no_longer_loads_them(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(3, {"step": 3})
+    where = manager.set_aside()
+    assert manager.steps() == [] and (where / "step-000000003.pt").exists()
+    assert where.parent == tmp_path / "set-aside"

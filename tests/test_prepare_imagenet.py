@@ -75,3 +75,23 @@ def test_a_wrong_class_count_fails(imagenet):
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2 and "got 3 class folders; expected 1000" in result.stderr
+
+
+def test_verify_names_every_image_that_does_not_decode(imagenet):
+    from PIL import Image
+
+    root, labels = imagenet
+    for image in [*root.glob("train/*/*.JPEG"), *root.glob("val/*.JPEG")]:
+        Image.new("RGB", (8, 6), (10, 200, 30)).save(image, format="JPEG")
+    broken = root / "train" / CLASSES[2] / f"{CLASSES[2]}_1.JPEG"
+    broken.write_bytes(broken.read_bytes()[:40])  # cut short, as an interrupted copy leaves it
+    assert prepare(root, labels).returncode == 0  # without --verify nothing is decoded
+    result = prepare(root, labels, "--verify")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: 1 of 12 images cannot be decoded, e.g. train/n01484850/n01484850_1.JPEG")
+    listed = (root / "bad-images.txt").read_text().splitlines()
+    assert len(listed) == 1 and listed[0].startswith("train/n01484850/n01484850_1.JPEG: ")
+    assert json.loads((root / "manifest.json").read_text())["bad_images"] == listed
+    broken.unlink()
+    assert prepare(root, labels, "--verify").returncode == 0

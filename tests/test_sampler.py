@@ -83,3 +83,15 @@ def test_augmentation_seeds_do_not_depend_on_the_rank_that_reads_the_sample():
 def test_an_offset_outside_the_epoch_is_rejected():
     with pytest.raises(IndexError):
         ElasticBatchPlan(10, 4, 0).global_batch_indices(0, 10)
+
+
+@pytest.mark.parametrize(("global_batch", "world", "max_micro", "expected"), [
+    (30, 1, 8, Layout(1, 5, 6)),  # the fewest micro-steps (4 x 8) would pad 2 samples
+    (256, 2, 48, Layout(2, 4, 32)),  # 3 x 43 would pad 2
+    (256, 8, 32, Layout(8, 1, 32)),  # already exact
+    (256, 3, 32, Layout(3, 3, 29)),  # 3 does not divide 256: padding cannot be avoided
+    (127 * 2, 2, 8, Layout(2, 16, 8)),  # no divisor within twice the micro-steps: keep the fewest
+])
+def test_layouts_avoid_padding_when_the_global_batch_allows(global_batch, world, max_micro, expected):
+    layout = fixed_global_layout(global_batch, world, max_micro)
+    assert layout == expected and layout.micro_batch <= max_micro and layout.slots >= global_batch

@@ -90,7 +90,7 @@ def test_a_spot_notice_checkpoints_at_the_next_step_and_training_goes_on(tmp_pat
     monkeypatch.setenv(elastic.SPOT_NOTICE_ENV, "imds")
     imds.interrupting.set()  # the notice is already there when training starts
     Trainer(small_run(tmp_path, "--train.max_steps=8", "--checkpoint.interval_steps=100")).run()
-    checkpoints = [e for e in events(tmp_path) if e["event"] == "checkpoint"]
+    checkpoints = [e for e in events(tmp_path) if e["event"] == "checkpoint_started"]
     assert checkpoints[0]["reason"] == "spot-notice" and checkpoints[0]["asynchronous"] is False
     assert checkpoints[0]["step"] < 8 and events(tmp_path)[-1]["event"] == "finished"  # it went on training
     assert [c["reason"] for c in checkpoints].count("spot-notice") == 1
@@ -106,8 +106,9 @@ def test_each_checkpoint_reports_its_write_time_against_the_sigterm_budget(tmp_p
     monkeypatch.setenv(STOP_BUDGET_ENV, "0.0001")  # no real write fits
     with caplog.at_level(logging.WARNING, logger="training.trainer"):
         Trainer(small_run(tmp_path, "--checkpoint.interval_steps=2", "--checkpoint.async_save=false")).run()
-    checkpoint = next(e for e in events(tmp_path) if e["event"] == "checkpoint")
-    assert checkpoint["stop_budget_s"] == 0.0001 and checkpoint["last_write_s"] > 0
+    started = next(e for e in events(tmp_path) if e["event"] == "checkpoint_started")
+    saved = next(e for e in events(tmp_path) if e["event"] == "checkpoint_saved")
+    assert started["stop_budget_s"] == 0.0001 and saved["write_s"] >= 0 and saved["bytes"] > 0
     warnings = [r.getMessage() for r in caplog.records if "SIGTERM leaves before SIGKILL" in r.getMessage()]
     assert len(warnings) == 1  # said once, not at every checkpoint
 

@@ -60,6 +60,12 @@ def test_override_syntax():
         ("train:\n  epochs: 2\n  epochs: 3\n", [], "line 3, column 3: invalid YAML: duplicate key 'epochs'"),
         (None, ["--train.epochs"], "train.epochs: a value is missing; allowed: --train.epochs=VALUE"),
         (None, ["epochs=3"], "got \"epochs=3\"; allowed: --section.key=value overrides"),
+        (None, ["--optim.lr=.inf"], "optim.lr: got Infinity; allowed: a finite number"),
+        (None, ["--optim.lr=.nan"], "optim.lr: got NaN; allowed: a finite number"),
+        (None, ["--optim.grad_clip_norm=.inf"], "optim.grad_clip_norm: got Infinity; allowed: a finite number"),
+        (None, ["--checkpoint.if_unusable=wipe"],
+         "checkpoint.if_unusable: got \"wipe\"; allowed: 'fail' or 'start_fresh'"),
+        (None, ["--data.max_bad_samples=-1"], "data.max_bad_samples: got -1; allowed: greater than or equal to 0"),
     ],
 )
 def test_each_mistake_is_one_line_naming_the_field(tmp_path, text, overrides, expected):

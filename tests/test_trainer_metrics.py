@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from training.config import load_train_config
 from training.trainer import Trainer, learning_rate
 
 STEP_FIELDS = {
     "step", "epoch", "loss", "lr", "samples_per_s", "samples_per_s_per_device", "step_time_s", "data_wait_pct",
-    "peak_memory_gib", "world_size", "restart_count", "mfu",
+    "peak_memory_gib", "world_size", "restart_count", "mfu", "bad_samples",
 }
 
 
@@ -58,6 +59,33 @@ def test_mfu_uses_the_counted_flops_and_the_device_peak(tmp_path, monkeypatch):
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
              if '"step"' in line and '"event": "step"' in line]
     assert steps[-1]["mfu"] == pytest.approx(steps[-1]["samples_per_s"] * flops / 1e12, rel=0.02)
+
+
+def test_counting_flops_leaves_the_model_alone_and_works_at_32_px(tmp_path):
+    # ResNet at 32 px has 1x1 feature maps at the end: a one-sample training-mode forward
+    # there raises in BatchNorm, and any forward on the real model moves its running statistics.
+    trainer = Trainer(load_train_config(None, [
+        "--model.name=resnet18", "--model.image_size=32", "--model.num_classes=10", "--train.device=cpu",
+        "--train.precision=fp32", f"--checkpoint.dir={tmp_path}/checkpoints"]))
+    before = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+    flops = trainer._count_flops()
+    assert flops and flops > 0
+    after = trainer.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # running_mean/var and num_batches_tracked too
+    assert all(p.grad is None for p in trainer.module.parameters())
+
+
+def test_flops_are_counted_once_per_run_not_at_every_restart(tmp_path, monkeypatch):
+    Trainer(small_run(tmp_path)).run()
+    import training.trainer as trainer_module
+
+    def no_second_count(_config):
+        raise AssertionError("counted again on resume")
+
+    monkeypatch.setattr(trainer_module, "count_training_flops", no_second_count)
+    resumed = Trainer(small_run(tmp_path, "--train.max_steps=12"))
+    assert resumed.resumed_from == 8 and resumed._count_flops() > 0
+    resumed.run()
 
 
 def test_the_schedule_warms_up_then_decays_by_sample_position():

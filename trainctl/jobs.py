@@ -139,7 +139,7 @@ def status(jobs: Jobs, name: str, tail: int = 2000) -> JobStatus:
         return next((e for e in reversed(events) if e["event"] == kind), None)
 
     phase = (job.get("status") or {}).get("state", {}).get("phase", "Pending")
-    return JobStatus(name, phase, rows, last("rendezvous"), last("step"), last("checkpoint"))
+    return JobStatus(name, phase, rows, last("rendezvous"), last("step"), last("checkpoint_saved"))
 
 
 def metrics_events(log_text: str) -> list[dict]:

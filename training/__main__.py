@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
+# Before anything slow: a worker whose agent dies while it imports torch must not train alone.
+from training.launch import EXIT_CONFIG, EXIT_DIVERGED, die_with_agent  # isort: skip
 
-from typed_config import ConfigError, exit_on_config_error
+die_with_agent()
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from typed_config import ConfigError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     prepare.add_argument("--labels", required=True, help="LOC_val_solution.csv, or a 'file class' text file")
     prepare.add_argument("--expect-classes", type=int, default=1000)
     prepare.add_argument("--manifest", help="where to write the class-count manifest (default: ROOT/manifest.json)")
+    prepare.add_argument("--verify", action="store_true",
+                         help="also decode every image (all cores) and list those that fail in ROOT/bad-images.txt")
 
     sweep = commands.add_parser("allreduce-bench", help="all-reduce bandwidth sweep across the job's nodes (run under torchrun)")
     sweep.add_argument("--min-bytes", type=int, default=8)
@@ -43,19 +51,42 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args, extra)
     except ConfigError as exc:
-        exit_on_config_error(exc)
+        _say("".join(f"config error: {line}\n" for line in str(exc).splitlines()))
+        return _usage_status()
+    except _diverged() as exc:
+        _say(f"error: {exc}\n")
+        return EXIT_DIVERGED
     except _user_errors() as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        _say(f"error: {exc}\n")
+        return _usage_status()
+
+
+def _say(lines: str) -> None:
+    """One write of whole lines: the ranks of a node share stderr, and their lines must not interleave."""
+    sys.stderr.flush()
+    sys.stderr.write(lines)
+    sys.stderr.flush()
+
+
+def _usage_status() -> int:
+    """2, as for any command line mistake; under an agent 78, which no layer retries."""
+    return EXIT_CONFIG if "TORCHELASTIC_RUN_ID" in os.environ else 2
+
+
+def _diverged() -> tuple[type[Exception], ...]:
+    from training.trainer import Diverged
+
+    return (Diverged,)
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from training.allreduce import TransportError
+    from training.checkpoint import CheckpointError
     from training.data import DataError
     from training.device import DeviceError
     from training.imagenet import PrepareError
 
-    return (DataError, DeviceError, PrepareError, TransportError)
+    return (CheckpointError, DataError, DeviceError, PrepareError, TransportError)
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -75,7 +106,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.command == "prepare-imagenet":
         from training.imagenet import prepare_imagenet
 
-        prepare_imagenet(args.root, args.labels, args.expect_classes, args.manifest)
+        prepare_imagenet(args.root, args.labels, args.expect_classes, args.manifest, args.verify)
         return 0
     from training.allreduce import run_sweep
 

@@ -1,10 +1,14 @@
-"""Checkpoints on the shared file system: atomic, newest-complete-wins, last K kept, optionally async.
+"""Checkpoints on the shared file system: atomic, durable when announced, last K kept, optionally async.
 
-A checkpoint is one file ``step-<step>.pt``. It is written as a hidden temporary file in the
-same directory, flushed to disk, then renamed into place, and the directory is synced. A crash
-at any point leaves either the old set of checkpoints or the old set plus the new one: never a
-half-written file under a checkpoint name. Loading tries the newest first and falls back to
-the one before if a file cannot be read (a torn copy made by some other tool, say).
+A checkpoint is one file ``step-<step>.pt`` in ``directory``. It is written under a unique
+temporary name in ``staging_dir`` (same file system, outside the S3-linked tree, so a file being
+written is never exported), flushed to disk, renamed into place, and the directory is synced.
+Only then is it announced (``on_saved``). A crash at any point leaves either the old set of
+checkpoints or the old set plus the new one: never a half-written file under a checkpoint name.
+
+Files are read with ``torch.load(weights_only=True)``: a checkpoint holds tensors and plain
+values only, so a file planted on the shared file system cannot run code in the trainer.
+Which file to load is decided by one reader (rank 0, see ``training/trainer.py``).
 """
 
 from __future__ import annotations
@@ -12,14 +16,29 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import threading
+import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 log = logging.getLogger(__name__)
 CHECKPOINT_NAME = re.compile(r"^step-(\d{9})\.pt$")
+TEMPORARY_NAME = re.compile(r"^step-\d{9}\.pt\.[^/]+\.tmp$")
+# A temporary file untouched this long belongs to a writer that died (a live writer keeps
+# writing to it; the largest checkpoints take minutes, not an hour).
+STALE_TEMPORARY_S = 3600
+SET_ASIDE = "set-aside"
+# Fault injection for tests: seconds each write sleeps before its rename (a slow file system).
+SLOW_WRITE_ENV = "TRAINING_FAULT_SLOW_CHECKPOINT_WRITE_S"
+
+
+class CheckpointError(Exception):
+    """The checkpoint directory cannot be used as it is; the message is one line for the user."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -37,16 +56,43 @@ def to_cpu(state: Any) -> Any:
     return state
 
 
-class CheckpointManager:
-    """Writes and finds checkpoints in one directory; only one write is in flight at a time."""
+@dataclass
+class Saved:
+    """A checkpoint that is on disk: what ``on_saved`` receives."""
 
-    def __init__(self, directory: str | Path, keep_last: int = 3, async_save: bool = False):
+    step: int
+    path: Path
+    bytes: int
+    write_s: float  # from the start of the file write to the synced rename
+    blocking_s: float  # how long the caller of save() was held up (the host copy, plus the write if synchronous)
+
+
+@dataclass
+class Newest:
+    """The outcome of looking for the newest readable checkpoint."""
+
+    step: int | None = None
+    state: dict[str, Any] | None = None
+    path: Path | None = None
+    bytes_read: int = 0
+    unreadable: list[str] = field(default_factory=list)  # "step-…: reason", newest first
+
+
+class CheckpointManager:
+    """Writes and finds checkpoints in one directory; at most one write is in flight."""
+
+    def __init__(self, directory: str | Path, keep_last: int = 3, async_save: bool = False,
+                 staging_dir: str | Path | None = None, on_saved: Callable[[Saved], None] | None = None):
         self.directory = Path(directory)
+        self.staging_dir = Path(staging_dir) if staging_dir else self.directory / ".staging"
         self.keep_last = keep_last
         self.async_save = async_save
+        self.on_saved = on_saved
+        self.last_saved: Saved | None = None
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_write_seconds = 0.0
+
+    # --- finding -------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""
@@ -58,64 +104,170 @@ class CheckpointManager:
     def path(self, step: int) -> Path:
         return self.directory / checkpoint_name(step)
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        """Save ``state`` as ``step``. Async mode copies to host memory now and writes in the background."""
+    def load_newest(self) -> Newest:
+        """The newest readable checkpoint; each unreadable newer one is named in ``unreadable``."""
+        result = Newest()
+        for step in reversed(self.steps()):
+            path = self.path(step)
+            try:
+                result.state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - any unreadable file means: try the previous one
+                reason = _why_unreadable(path, exc)
+                result.unreadable.append(f"{path.name}: {reason}")
+                log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, reason)
+                continue
+            result.step, result.path, result.bytes_read = step, path, path.stat().st_size
+            return result
+        return result
+
+    # --- checking ------------------------------------------------------------------------
+
+    def probe(self) -> None:
+        """Check at startup what the first save would find out too late: the directories are usable.
+
+        Creates both directories, writes and syncs a file in the staging directory and renames
+        it into the checkpoint directory (the move every save makes), then removes it.
+        """
+        for name, directory in (("checkpoint.dir", self.directory), ("checkpoint.staging_dir", self.staging_dir)):
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise CheckpointError(f"{name}: cannot create {directory} ({exc.strerror or exc}); allowed: a "
+                                      "writable directory on the shared file system") from None
+        probe = self.staging_dir / f".probe.{_unique()}"
+        target = self.directory / f".probe.{_unique()}"
+        try:
+            with open(probe, "wb") as handle:
+                handle.write(b"probe")
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint.staging_dir: cannot write to {self.staging_dir} "
+                                  f"({exc.strerror or exc}); allowed: a writable directory") from None
+        try:
+            os.replace(probe, target)
+        except OSError as exc:
+            probe.unlink(missing_ok=True)
+            raise CheckpointError(
+                f"checkpoint.staging_dir: cannot move a file from {self.staging_dir} into {self.directory} "
+                f"({exc.strerror or exc}); allowed: a directory on the same file system as checkpoint.dir") from None
+        target.unlink(missing_ok=True)
+        self._remove_stale_temporaries()
+
+    def set_aside(self) -> Path:
+        """Move every checkpoint into ``<dir>/set-aside/<UTC time>/`` (kept, no longer loaded)."""
+        target = self.directory / SET_ASIDE / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target.mkdir(parents=True, exist_ok=True)
+        for step in self.steps():
+            os.replace(self.path(step), target / checkpoint_name(step))
+        _fsync_directory(self.directory)
+        return target
+
+    # --- saving --------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any], asynchronous: bool | None = None) -> None:
+        """Save ``state`` as ``step``. Asynchronous (``async_save`` unless told) copies to host memory
+        now and writes in the background; ``on_saved`` says when the file is durable."""
         self.wait()
+        started = time.perf_counter()
         host_state = to_cpu(state)
-        if not self.async_save:
-            self._write(step, host_state)
+        copy_s = time.perf_counter() - started
+        if not (self.async_save if asynchronous is None else asynchronous):
+            self._write(step, host_state, copy_s, synchronous=True)
             return
-        self._writer = threading.Thread(target=self._write_guarded, args=(step, host_state), daemon=True)
+        # Not a daemon: an exiting trainer joins it (bounded, see wait()) instead of killing it mid-write.
+        self._writer = threading.Thread(target=self._write_guarded, args=(step, host_state, copy_s),
+                                        name=f"checkpoint-{step}")
         self._writer.start()
 
-    def wait(self) -> None:
-        """Block until the background write (if any) is on disk; re-raise its error."""
+    @property
+    def in_flight(self) -> bool:
+        return self._writer is not None and self._writer.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the background write (if any) is on disk; re-raise its error.
+
+        With ``timeout``, give up after that many seconds and return False (the write goes on).
+        """
         if self._writer is not None:
-            self._writer.join()
+            self._writer.join(timeout)
+            if self._writer.is_alive():
+                return False
             self._writer = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+        return True
 
-    def load_latest(self, map_location: str | torch.device = "cpu") -> tuple[int, dict[str, Any]] | None:
-        """The newest readable checkpoint as (step, state), or None when there is none."""
-        for step in reversed(self.steps()):
-            try:
-                return step, torch.load(self.path(step), map_location=map_location, weights_only=False)
-            except Exception as exc:  # noqa: BLE001 - any unreadable file means: try the previous one
-                log.warning("checkpoint %s is unreadable (%s); trying the previous one", self.path(step), exc)
-        return None
-
-    def _write_guarded(self, step: int, state: dict[str, Any]) -> None:
+    def _write_guarded(self, step: int, state: dict[str, Any], copy_s: float) -> None:
         try:
-            self._write(step, state)
+            self._write(step, state, copy_s, synchronous=False)
         except BaseException as exc:  # noqa: BLE001 - surfaced by wait() in the training loop
             self._error = exc
 
-    def _write(self, step: int, state: dict[str, Any]) -> None:
-        import time
-
+    def _write(self, step: int, state: dict[str, Any], copy_s: float = 0.0, synchronous: bool = True) -> None:
         started = time.perf_counter()
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.staging_dir.mkdir(parents=True, exist_ok=True)
         final = self.path(step)
-        temporary = self.directory / f".{final.name}.tmp-{os.getpid()}"
-        with open(temporary, "wb") as handle:
-            torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, final)
+        # Unique across pods and restarts: host and pid alone repeat on a shared file system.
+        temporary = self.staging_dir / f"{final.name}.{_unique()}.tmp"
+        try:
+            with open(temporary, "wb") as handle:
+                torch.save(state, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            delay = float(os.environ.get(SLOW_WRITE_ENV, "0"))
+            if delay:
+                time.sleep(delay)
+            size = temporary.stat().st_size
+            os.replace(temporary, final)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
         _fsync_directory(self.directory)
+        write_s = time.perf_counter() - started
+        self.last_saved = Saved(step, final, size, write_s, copy_s + write_s if synchronous else copy_s)
+        if self.on_saved is not None:
+            self.on_saved(self.last_saved)
         self._prune()
-        self.last_write_seconds = time.perf_counter() - started
 
     def _prune(self) -> None:
         for step in self.steps()[: -self.keep_last]:
             self.path(step).unlink(missing_ok=True)
-        # Temporary files left by writers that were killed mid-write.
-        for stale in self.directory.glob(".step-*.pt.tmp-*"):
-            pid = stale.name.rsplit("-", 1)[-1]
-            if pid != str(os.getpid()):
-                stale.unlink(missing_ok=True)
+        self._remove_stale_temporaries()
+
+    def _remove_stale_temporaries(self) -> None:
+        """Temporary files of writers that died mid-write, once nobody has touched them for an hour."""
+        if not self.staging_dir.is_dir():
+            return
+        now = time.time()
+        for stale in self.staging_dir.iterdir():
+            try:
+                if TEMPORARY_NAME.match(stale.name) and now - stale.stat().st_mtime > STALE_TEMPORARY_S:
+                    stale.unlink()
+            except FileNotFoundError:
+                pass  # another writer cleaned it up first
+
+
+def _why_unreadable(path: Path, exc: Exception) -> str:
+    """The reason in a few words (torch's own message for a refused file suggests loading it unsafely)."""
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    if magic != b"PK\x03\x04":
+        return "not a checkpoint file (torn, truncated or overwritten)"
+    refused = re.search(r"WeightsUnpickler error: (Unsupported global: GLOBAL \S+)", str(exc))
+    if refused:
+        return f"refused: it holds code, not only tensors and plain values ({refused.group(1)})"
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
+def _unique() -> str:
+    return f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:12]}"
 
 
 def _fsync_directory(directory: Path) -> None:

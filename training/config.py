@@ -46,6 +46,9 @@ class DataSection(StrictModel):
     mask_probability: float = Field(0.15, gt=0, lt=1)
     num_workers: int = Field(8, ge=0)
     prefetch_factor: int = Field(4, gt=0)
+    # Samples that cannot be read (a corrupt JPEG, a truncated shard) are skipped, named in the
+    # log and counted over the whole run; more than this ends it (exit 78).
+    max_bad_samples: int = Field(100, ge=0)
 
     @model_validator(mode="after")
     def _path_when_read_from_disk(self):
@@ -83,10 +86,17 @@ class TrainSection(StrictModel):
 
 class CheckpointSection(StrictModel):
     dir: str = "/fsx/checkpoints/default"
+    # The most steps a kill can cost: an asynchronous write starts early enough to be on disk by then.
     interval_steps: int = Field(500, gt=0)
     keep_last: int = Field(3, gt=0)
     # Copy to host memory in the step loop, write to the file system in the background.
     async_save: bool = True
+    # Where files are written before their rename into dir: the same file system, outside the
+    # S3-linked tree (the charts use /fsx/staging/<job>). Default: dir/.staging.
+    staging_dir: str | None = None
+    # When no checkpoint in dir can be read, or the newest does not fit this model and optimizer:
+    # fail (say so in one line, exit 78) or start_fresh (move them to dir/set-aside/<time>/, start at 0).
+    if_unusable: Literal["fail", "start_fresh"] = "fail"
 
 
 class DistributedSection(StrictModel):

@@ -6,6 +6,7 @@ seed, so a sample looks the same whichever rank reads it, before or after a rest
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,15 @@ IMAGENET_STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
 # BERT's uncased WordPiece vocabulary: [PAD]=0, [CLS]=101, [SEP]=102, [MASK]=103.
 PAD_ID, CLS_ID, SEP_ID, MASK_ID = 0, 101, 102, 103
 IGNORE_LABEL = -100
+log = logging.getLogger(__name__)
 
 
 class DataError(Exception):
     """A dataset that cannot be read as configured; the message says what was found and what is expected."""
+
+
+class BadSample(Exception):
+    """One sample that cannot be read (a corrupt image, a truncated shard): skipped, named and counted."""
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -92,6 +98,15 @@ def normalize(image: Tensor) -> Tensor:
 # --- datasets ---------------------------------------------------------------------------------
 
 
+def decode_image(path: str | Path) -> Tensor:
+    """An image file as a float RGB tensor [3, H, W] in [0, 1], decoded with Pillow."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        array = np.asarray(img.convert("RGB"), dtype=np.uint8)
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255)
+
+
 class ImageFolder(Dataset):
     """``root/<class>/<image>`` read with Pillow; classes sorted by name, as torchvision does."""
 
@@ -114,17 +129,21 @@ class ImageFolder(Dataset):
         return len(self.samples)
 
     def load(self, index: int) -> Tensor:
-        from PIL import Image
-
-        with Image.open(self.samples[index][0]) as img:
-            array = np.asarray(img.convert("RGB"), dtype=np.uint8)
-        return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255)
+        return decode_image(self.samples[index][0])
 
     def __getitem__(self, key: SampleKey) -> tuple[Tensor, int]:
-        image = self.load(key.index)
-        if self.train:
-            return train_transform(image, self.image_size, key.seed), self.samples[key.index][1]
-        return eval_transform(image, self.image_size), self.samples[key.index][1]
+        path, label = self.samples[key.index]
+        try:
+            image = self.load(key.index)
+            if self.train:
+                return train_transform(image, self.image_size, key.seed), label
+            return eval_transform(image, self.image_size), label
+        except Exception as exc:  # noqa: BLE001 - whatever Pillow raises for a bad file, the run goes on
+            raise BadSample(f"{path}: {_reason(exc)}") from None
+
+    def placeholder(self) -> tuple[Tensor, int]:
+        """What stands in for a bad sample in its batch (with loss weight 0)."""
+        return torch.zeros(3, self.image_size, self.image_size), 0
 
 
 class SyntheticImages(Dataset):
@@ -137,6 +156,9 @@ class SyntheticImages(Dataset):
     def __len__(self) -> int:
         return self.size
 
+    def placeholder(self) -> tuple[Tensor, int]:
+        return torch.zeros(3, self.image_size, self.image_size), 0
+
     def __getitem__(self, key: SampleKey) -> tuple[Tensor, int]:
         generator = _generator(key.index * 7919 + 1)
         label = int(torch.randint(0, self.num_classes, (1,), generator=generator))
@@ -147,22 +169,19 @@ class SyntheticImages(Dataset):
 class MaskedLMShards(Dataset):
     """Pre-tokenized sequences in ``*.npy`` shards (shape [n, seq_len], integer token ids), memory-mapped.
 
-    Masking is dynamic: each epoch masks other tokens, chosen from the key's seed.
+    Masking is dynamic: each epoch masks other tokens, chosen from the key's seed. A shard cut
+    short (an interrupted copy) keeps the rows its header promises: those past the end are bad
+    samples, as are rows with token ids outside the vocabulary.
     """
 
     def __init__(self, root: str | Path, seq_len: int, vocab_size: int, mask_probability: float):
         root = Path(root)
-        paths = sorted(root.glob("*.npy")) if root.is_dir() else []
-        if not paths:
+        self.paths = sorted(root.glob("*.npy")) if root.is_dir() else []
+        if not self.paths:
             raise DataError(f"data.path: no *.npy token shards in {root}; expected arrays of shape [n, {seq_len}]")
-        self.shards = [np.load(p, mmap_mode="r") for p in paths]
-        for path, shard in zip(paths, self.shards):
-            if shard.ndim != 2 or shard.shape[1] != seq_len or shard.dtype.kind not in "iu":
-                raise DataError(
-                    f"{path}: got shape {list(shard.shape)} of {shard.dtype}; expected integer token ids "
-                    f"of shape [n, {seq_len}] (data.seq_len)"
-                )
-        self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
+        self.seq_len = seq_len
+        self.shards = [_open_shard(p, seq_len) for p in self.paths]
+        self.offsets = np.cumsum([0] + [rows for _, rows in self.shards])
         self.vocab_size, self.mask_probability = vocab_size, mask_probability
 
     def __len__(self) -> int:
@@ -170,10 +189,53 @@ class MaskedLMShards(Dataset):
 
     def tokens(self, index: int) -> Tensor:
         shard = int(np.searchsorted(self.offsets, index, side="right") - 1)
-        return torch.from_numpy(np.asarray(self.shards[shard][index - self.offsets[shard]], dtype=np.int64))
+        array, _ = self.shards[shard]
+        row = index - self.offsets[shard]
+        if row >= len(array):
+            raise BadSample(f"{self.paths[shard]}: row {row} is past the end of the file (the shard is truncated)")
+        tokens = torch.from_numpy(np.asarray(array[row], dtype=np.int64))
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+            raise BadSample(f"{self.paths[shard]}: row {row} has token ids outside 0..{self.vocab_size - 1}")
+        return tokens
+
+    def placeholder(self) -> tuple[Tensor, Tensor]:
+        return torch.full((self.seq_len,), PAD_ID, dtype=torch.long), torch.full((self.seq_len,), IGNORE_LABEL)
 
     def __getitem__(self, key: SampleKey) -> tuple[Tensor, Tensor]:
         return mask_tokens(self.tokens(key.index), key.seed, self.vocab_size, self.mask_probability)
+
+
+def _open_shard(path: Path, seq_len: int) -> tuple[np.ndarray, int]:
+    """(readable rows, rows the header promises) of one shard; a header that cannot be read is a DataError."""
+    try:
+        with open(path, "rb") as handle:
+            version = np.lib.format.read_magic(handle)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if read_header is None:
+                raise ValueError(f"unsupported .npy format version {version}")
+            shape, fortran, dtype = read_header(handle)
+            header_bytes = handle.tell()
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: not a readable .npy file ({_reason(exc)}); allowed: integer token ids of shape "
+                        f"[n, {seq_len}] (data.seq_len); remove or regenerate it") from None
+    if len(shape) != 2 or shape[1] != seq_len or dtype.kind not in "iu" or fortran:
+        raise DataError(f"{path}: got shape {list(shape)} of {dtype}; expected integer token ids "
+                        f"of shape [n, {seq_len}] (data.seq_len)")
+    row_bytes = seq_len * dtype.itemsize
+    available = max(0, (path.stat().st_size - header_bytes) // row_bytes) if row_bytes else 0
+    rows = min(shape[0], available)
+    if rows < shape[0]:
+        log.warning("%s is truncated: %d of %d rows readable; the rest are skipped as bad samples", path, rows,
+                    shape[0])
+    array = np.memmap(path, dtype=dtype, mode="r", offset=header_bytes, shape=(rows, seq_len)) if rows else (
+        np.empty((0, seq_len), dtype=dtype))
+    return array, int(shape[0])
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
 class SyntheticTokens(MaskedLMShards):
@@ -205,7 +267,11 @@ def mask_tokens(tokens: Tensor, seed: int, vocab_size: int, probability: float) 
 
 
 class Keyed(Dataset):
-    """Adds each key's index and loss weight to the sample, for the weighted loss and sample logs."""
+    """Adds each key's index and loss weight to the sample, for the weighted loss and sample logs.
+
+    A sample that cannot be read becomes its dataset's placeholder with weight 0 (like the
+    padding of a short batch) and carries what went wrong, for the trainer to log and count.
+    """
 
     def __init__(self, inner: Dataset):
         self.inner = inner
@@ -213,9 +279,13 @@ class Keyed(Dataset):
     def __len__(self) -> int:
         return len(self.inner)
 
-    def __getitem__(self, key: SampleKey) -> tuple[Any, Any, int, float]:
-        inputs, target = self.inner[key]
-        return inputs, target, key.index, key.weight
+    def __getitem__(self, key: SampleKey) -> tuple[Any, Any, int, float, str]:
+        try:
+            inputs, target = self.inner[key]
+        except BadSample as bad:
+            inputs, target = self.inner.placeholder()
+            return inputs, target, key.index, 0.0, str(bad) if key.weight else ""
+        return inputs, target, key.index, key.weight, ""
 
 
 def build_dataset(config: TrainConfig, vocab_size: int | None = None) -> Dataset:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -18,7 +16,6 @@ import torch.distributed as dist
 from training.launch import IMDS_ENDPOINT_ENV, SPOT_NOTICE_ENV  # noqa: F401 - the names callers use
 
 log = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -49,22 +46,6 @@ class Membership:
         return "MASTER_ADDR" in os.environ  # set by torchrun, even for a single worker
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this worker when its torchrun agent dies.
-
-    torchrun starts workers in their own session, so a killed agent (OOM, a pod deleted with
-    force) would leave them training as ghosts that hold the rendezvous and the GPUs.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    if os.getppid() != parent:  # the agent died before the request took effect
-        os._exit(1)
-
-
 _received_signal: str | None = None
 
 
@@ -74,15 +55,31 @@ def received_signal() -> str | None:
 
 
 class StopRequest:
-    """Set by SIGTERM (spot interruption, eviction, torchrun shutting down); read between steps."""
+    """Set by SIGTERM (spot interruption, eviction, torchrun restarting or stopping its workers);
+    read between steps, where the trainer checkpoints and stops.
+
+    Before the training loop has started there is nothing to save, but the main thread may be
+    blocked in C++ (waiting in ``init_process_group`` for a peer that died), where Python runs
+    no signal handler until the call returns: the agent would wait its whole stop budget, then
+    SIGKILL. So the signal is also written to a wake-up pipe (``signal.set_wakeup_fd``, written
+    by the C-level handler in whatever thread), and a watcher thread exits the process at once
+    when it arrives before training started.
+    """
+
+    STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self._event = threading.Event()
         self.signal_name: str | None = None
+        self.training = False  # set when the training loop starts: from then on, stops checkpoint
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        global _current_request
+        for sig in self.STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        _current_request = self
+        if _watcher_pipe is None:  # one watcher per process, for whichever request is current
+            _start_watcher()
 
     def _handle(self, signum, _frame) -> None:
         global _received_signal
@@ -92,6 +89,32 @@ class StopRequest:
     @property
     def requested(self) -> bool:
         return self._event.is_set()
+
+
+_current_request: StopRequest | None = None
+_watcher_pipe: tuple[int, int] | None = None
+
+
+def _start_watcher() -> None:
+    global _watcher_pipe
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    _watcher_pipe = (read_end, write_end)
+    threading.Thread(target=_watch, args=(read_end,), name="stop-before-training", daemon=True).start()
+
+
+def _watch(read_end: int) -> None:
+    while True:
+        received = os.read(read_end, 64)
+        if not received:
+            return
+        stops = [number for number in received if number in StopRequest.STOP_SIGNALS]
+        request = _current_request
+        if stops and request is not None and not request.training:
+            log.warning("%s before training started: nothing to checkpoint, exiting now",
+                        signal.Signals(stops[0]).name)
+            os._exit(128 + stops[0])
 
 
 def init_process_group(backend: str, membership: Membership, device: torch.device, timeout_s: int) -> None:
@@ -112,11 +135,19 @@ def shorten_timeout(seconds: int) -> None:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
 
 
-def any_rank(*flags: bool, device: torch.device) -> tuple[bool, ...]:
-    """Each flag true on every rank when it is true on any rank (one tiny all-reduce for all of them)."""
+def any_rank(*flags: bool | torch.Tensor, device: torch.device) -> tuple[bool, ...]:
+    """Each flag true on every rank when it is true on any rank: one tiny all-reduce for all of them.
+
+    A flag may be a tensor on ``device`` (a loss that is not finite, say): it is read only
+    through the all-reduce, so it adds no host sync of its own. Without a process group the
+    flags come back as they are (tensors unread).
+    """
     if not dist.is_initialized():
         return flags
-    value = torch.tensor([1.0 if flag else 0.0 for flag in flags], device=device)
+    value = torch.tensor([float(f) if isinstance(f, bool) else 0.0 for f in flags], device=device)
+    for i, flag in enumerate(flags):
+        if isinstance(flag, torch.Tensor):
+            value[i] = flag.to(device=device, dtype=value.dtype).reshape(())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return tuple(bool(v > 0) for v in value.tolist())
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from training.data import IMAGE_SUFFIXES
@@ -71,8 +73,34 @@ def rearrange_val(val: Path, labels: dict[str, str]) -> int:
     return len(flat)
 
 
-def prepare_imagenet(root: str | Path, labels_path: str | Path, expect_classes: int, manifest: str | None) -> dict:
-    """Check train/ and val/ under ``root``, rearrange val/, write and return the manifest."""
+def _decode_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be decoded the way the trainer decodes it, or None."""
+    from training.data import decode_image
+
+    try:
+        decode_image(path)
+    except Exception as exc:  # noqa: BLE001 - whatever Pillow raises, it is this file's problem
+        lines = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+    return None
+
+
+def verify_images(root: Path, workers: int | None = None) -> tuple[int, list[str]]:
+    """(images checked, "relative/path: problem" for each one that does not decode), using every core."""
+    images = sorted(p for split in ("train", "val") for p in (root / split).rglob("*")
+                    if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    with ProcessPoolExecutor(workers or os.cpu_count()) as pool:
+        problems = list(pool.map(_decode_problem, images, chunksize=64))
+    return len(images), [f"{path.relative_to(root)}: {problem}" for path, problem in zip(images, problems) if problem]
+
+
+def prepare_imagenet(root: str | Path, labels_path: str | Path, expect_classes: int, manifest: str | None,
+                     verify: bool = False) -> dict:
+    """Check train/ and val/ under ``root``, rearrange val/, write and return the manifest.
+
+    ``verify`` also decodes every image; any that fail are listed in ``<root>/bad-images.txt``
+    and the manifest, and the command fails naming how many and the first.
+    """
     root = Path(root)
     train, val = root / "train", root / "val"
     for folder in (train, val):
@@ -99,8 +127,19 @@ def prepare_imagenet(root: str | Path, labels_path: str | Path, expect_classes: 
         "moved_val_images": moved,
         "class_counts": counts,
     }
+    bad: list[str] = []
+    if verify:
+        checked, bad = verify_images(root)
+        result["verified_images"] = checked
+        result["bad_images"] = bad
     target = Path(manifest) if manifest else root / "manifest.json"
     target.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     log.info("%d classes, %d train / %d val images; moved %d; manifest %s", result["classes"],
              result["images"]["train"], result["images"]["val"], moved, target)
+    if bad:
+        listing = root / "bad-images.txt"
+        listing.write_text("\n".join(bad) + "\n")
+        raise PrepareError(f"{len(bad)} of {result['verified_images']} images cannot be decoded, e.g. {bad[0]}; "
+                           f"all are listed in {listing}; replace or remove them (training skips up to "
+                           "data.max_bad_samples)")
     return result

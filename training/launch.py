@@ -36,15 +36,21 @@ LAUNCH_ENVIRONMENT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 TRAINER_MODULE = "training"
 LAUNCHER_MODULE = "training.launch"
 
-# Exit statuses of the launcher, which the job controller's policies act on (k8s_charts/job_charts.py).
-EXIT_CONFIG = 78  # EX_CONFIG: the trainer's config is wrong; nothing retries it
+# Exit statuses, which the agent and the job controller's policies act on (k8s_charts/job_charts.py).
+EXIT_MEMBERSHIP_CHANGE = 75  # a worker stopped only because a peer was told to: restart into a new round
+EXIT_DIVERGED = 76  # the loss is not finite: retrying from the last checkpoint would diverge again
+EXIT_CONFIG = 78  # EX_CONFIG: the config, the data or the checkpoint dir is wrong; nothing retries it
 EXIT_RESTART_JOB = 79  # this incarnation cannot go on (workers failed for good): restart the job afresh
+# A worker that exits with one of these ends the job at once: no layer retries it.
+FINAL_EXITS = (EXIT_DIVERGED, EXIT_CONFIG)
 # Seconds between the pod's SIGTERM and the end of its grace period kept for the agent itself.
 SHUTDOWN_MARGIN_S = 15
 # Environment the launcher and the charts give the trainer.
 STOP_BUDGET_ENV = "PLATFORM_STOP_BUDGET_S"  # seconds a SIGTERM leaves the workers before SIGKILL
 SPOT_NOTICE_ENV = "PLATFORM_SPOT_NOTICE"  # "imds": watch for the two-minute Spot interruption notice
 IMDS_ENDPOINT_ENV = "PLATFORM_IMDS_ENDPOINT"  # the instance metadata service; tests point it at loopback
+AGENT_PID_ENV = "PLATFORM_AGENT_PID"  # the launcher's pid: a worker whose parent is not it is an orphan
+_PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger("training.launch")
 
@@ -86,6 +92,30 @@ PLATFORM_TUNING = RendezvousTuning()
 
 def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def die_with_agent() -> None:
+    """First thing in a worker: ask Linux to SIGKILL it when its agent dies, and exit if it already has.
+
+    torchrun starts workers in their own session, so a killed agent (OOM, a pod deleted with
+    force) would leave them training alone, holding the GPUs and writing checkpoints. The
+    request is made before anything slow (importing torch takes seconds), and the parent is
+    compared with the pid the launcher exported: an agent that died before the request took
+    effect has left this worker with another parent. Needs only the standard library.
+    """
+    expected = os.environ.get(AGENT_PID_ENV)
+    if expected is None and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return  # not under an agent: a local run or a test
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if expected is not None and os.getppid() != int(expected):
+        print(f"the agent (pid {expected}) is gone; this worker exits instead of training alone", file=sys.stderr)
+        os._exit(1)
 
 
 def torchrun_arguments(
@@ -147,6 +177,7 @@ def shutdown_timeout(grace_period_s: int) -> int:
 
 def _train_worker(*argv: str) -> None:
     """A worker's entry point, run in a process forked from the agent."""
+    die_with_agent()
     from training import elastic
     from training.__main__ import main as trainer_main
 
@@ -161,13 +192,13 @@ def _train_worker(*argv: str) -> None:
         os._exit(0)
 
 
-def _check_trainer_args(argv: list[str]) -> str | None:
-    """The first config problem of ``python -m training train <argv>``, before any agent starts."""
+def _trainer_config(argv: list[str]):
+    """(config, None) for ``python -m training train <argv>``, or (None, its first problem), before any agent starts."""
     from training.config import load_train_config
     from typed_config import ConfigError
 
     if not argv or argv[0] != "train":
-        return None
+        return None, None
     config_path = None
     overrides = []
     rest = iter(argv[1:])
@@ -179,10 +210,39 @@ def _check_trainer_args(argv: list[str]) -> str | None:
         else:
             overrides.append(arg)
     try:
-        load_train_config(config_path, overrides)
+        return load_train_config(config_path, overrides), None
     except ConfigError as exc:
-        return str(exc).splitlines()[0]
-    return None
+        return None, str(exc).splitlines()[0]
+
+
+def _newest_checkpoint(directory: str):
+    """The newest checkpoint's step in ``directory`` (None when there is none or it cannot be listed)."""
+    import re
+
+    def newest() -> int | None:
+        try:
+            steps = [int(m.group(1)) for name in os.listdir(directory) if (m := re.match(r"^step-(\d{9})\.pt$", name))]
+        except OSError:
+            return None
+        return max(steps, default=None)
+
+    return newest
+
+
+def _single_node_defaults(args) -> None:
+    """What torchrun's ``run()`` does before building its config (torch 2.13 torch/distributed/run.py):
+    ``--standalone``, or a static rendezvous of one node without an endpoint, is a c10d rendezvous
+    on localhost under a fresh id; the static backend's port defaults to 29500."""
+    import uuid
+
+    from torch.distributed.run import parse_min_max_nnodes
+
+    single = args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None \
+        and parse_min_max_nnodes(args.nnodes)[1] == 1
+    if args.standalone or single:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,18 +254,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from training import rendezvous
+    from training import agent, rendezvous
 
     rendezvous.register()
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    trainer_config = None
     if args.module and args.training_script == TRAINER_MODULE:
-        problem = _check_trainer_args(args.training_script_args)
+        trainer_config, problem = _trainer_config(args.training_script_args)
         if problem:
             print(f"config error: {problem}", file=sys.stderr)
             return EXIT_CONFIG
+    agent.install(_newest_checkpoint(trainer_config.checkpoint.dir) if trainer_config else lambda: None)
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    _single_node_defaults(args)
     config, entrypoint, entry_args = torchrun.config_from_args(args)
     if args.module and args.training_script == TRAINER_MODULE and config.start_method == "fork":
         entrypoint, entry_args = _train_worker, list(args.training_script_args)
@@ -217,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as exc:
         log.warning("stopped by %s; the workers checkpointed", exc.sigval.name)
         return 128 + int(exc.sigval)
+    except ChildFailedError as exc:
+        final = sorted({failure.exitcode for failure in exc.failures.values()} & set(FINAL_EXITS))
+        if final:
+            return final[0]  # the worker said why, in one line, above
+        log.error("workers failed and --max-restarts is spent; asking for a fresh incarnation of the job")
+        return EXIT_RESTART_JOB
     except RendezvousClosedError:
         # Only a job's success closes its round: this node came after the end.
         log.info("the job finished before this node could join; nothing to do")

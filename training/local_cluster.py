@@ -131,10 +131,10 @@ class Agent:
     def __init__(self, name: str, endpoint: str, run_id: str, workdir: Path, trainer_args: list[str], *,
                  min_nodes: int = 1, max_nodes: int = 3, nproc_per_node: int = 1, max_restarts: int = 10,
                  launcher: str = "platform", tuning: RendezvousTuning | TorchrunTuning | None = PLATFORM_TUNING,
-                 share_store_fix: bool = True, grace_period_s: int = 60):
+                 share_store_fix: bool = True, grace_period_s: int = 60, env: dict[str, str] | None = None):
         self.name = name
         self.log_path = workdir / f"{name}.log"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         if share_store_fix:
             env.update(LAUNCH_ENVIRONMENT)
         if launcher == "platform":
@@ -161,16 +161,33 @@ class Agent:
         self._log.close()
         return killed_at
 
+    def worker_pids(self) -> list[int]:
+        """The agent's child processes (its workers), whichever of its threads started them."""
+        pids: list[int] = []
+        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
+            try:
+                pids += [int(pid) for pid in (task / "children").read_text().split()]
+            except FileNotFoundError:
+                continue  # the thread, or the agent, is gone
+        return pids
+
     def kill_workers(self) -> float:
         """SIGKILL the agent's worker processes (a crash, an OOM kill), not the agent."""
         at = time.time()
-        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        for pid in children:
+        for pid in self.worker_pids():
             try:
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         return at
+
+    def crash_loop(self, timeout: float) -> int:
+        """Kill every worker the agent starts, as soon as it starts, until the agent gives up; its exit status."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self.kill_workers()
+            time.sleep(0.01)
+        return self.wait(timeout=max(1.0, deadline - time.monotonic()))
 
     def terminate(self) -> float:
         """SIGTERM to the agent only, as the kubelet does to a pod's main process on eviction or spot notice."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -35,6 +36,7 @@ class MetricsWriter:
         self.enabled = enabled
         self._file = None
         self._tensorboard = None
+        self._lock = threading.Lock()  # the checkpoint writer thread reports too
         if not enabled:
             return
         if jsonl_path:
@@ -60,13 +62,15 @@ class MetricsWriter:
         if not self.enabled:
             return
         line = json.dumps(record, default=_plain)
-        print(line, file=sys.stdout, flush=True)
-        if self._file is not None:
-            self._file.write(line + "\n")
+        with self._lock:
+            print(line, file=sys.stdout, flush=True)
+            if self._file is not None and not self._file.closed:
+                self._file.write(line + "\n")
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            with self._lock:
+                self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
 

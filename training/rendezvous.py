@@ -18,6 +18,13 @@ handler (registered by :mod:`training.launch` as ``platform-etcd``) differs from
   round it joined (etcd came back empty, or a peer declared it dead), it reports a waiting
   node, so its agent re-rendezvouses with everyone (its workers checkpoint on the way out)
   instead of training on beside a second world.
+- **A dead peer restarts the round.** torch removes a node whose heartbeats stopped from the
+  participants (``_sanitize``) but leaves the round complete, so the survivors' agents notice
+  only when their workers fail: at once in a gloo collective, after the collective timeout
+  with NCCL, after the TCPStore connect timeout (minutes) while workers start. Here a node
+  that sees a member of its round gone reports a waiting node, and its agent restarts the
+  workers into a new round about one heartbeat expiry (1.5 s) after the death; like any
+  membership change, that does not count against ``--max-restarts``.
 - **Only success closes the round.** ``shutdown()`` leaves the round open; the launcher
   closes it after the job finished. A failed agent therefore never strands its peers or the
   pod that replaces it.
@@ -164,6 +171,7 @@ class PlatformRendezvousHandler(DynamicRendezvousHandler):
                       _ToleratingStateHolder(backend, settings, outage))
         handler._outage = outage
         handler._joined_round = None
+        handler._joined_members = set()
         handler._close_on_shutdown = False
         CREATED.append(handler)
         return handler
@@ -180,6 +188,7 @@ class PlatformRendezvousHandler(DynamicRendezvousHandler):
                 delay = min(delay * 2, 2.0)
                 continue
             self._joined_round = self._state_holder.state.round
+            self._joined_members = set(self._state_holder.state.participants)
             return info
 
     def num_nodes_waiting(self) -> int:
@@ -192,6 +201,13 @@ class PlatformRendezvousHandler(DynamicRendezvousHandler):
         if self._joined_round is not None and not self._still_in_my_round():
             log.warning("this node is no longer in round %s of the rendezvous (etcd lost its state, or a peer "
                         "declared it dead); re-joining", self._joined_round)
+            self._joined_round = None
+            return 1
+        gone = self._joined_members - set(self._state_holder.state.participants) if self._joined_round is not None \
+            else set()
+        if gone:
+            log.warning("%d node(s) of round %s stopped heartbeating; restarting this node's workers into a new "
+                        "round", len(gone), self._joined_round)
             self._joined_round = None
             return 1
         return waiting

@@ -9,6 +9,12 @@ once per epoch, even when ranks come and go between steps.
 Shares are made equal by padding with weight-0 copies: the last global batch of an epoch is
 usually short, and G need not divide by world size x micro-batch. The loss weights each
 sample by ``weight / real samples in the global batch``, so padding adds nothing to the gradient.
+
+Padding does reach BatchNorm: a weight-0 copy still takes part in its micro-batch's mean and
+variance (and in the running statistics), so a BN model's steps depend slightly on the world
+size whenever there is padding. :func:`fixed_global_layout` therefore picks a padding-free
+layout whenever the world size divides the global batch; the short last batch of an epoch is
+padded whatever the layout.
 """
 
 from __future__ import annotations
@@ -42,8 +48,17 @@ class Layout:
 
 
 def fixed_global_layout(global_batch: int, world_size: int, max_micro_batch: int) -> Layout:
-    """The fewest micro-steps that fit ``global_batch`` in micro-batches of at most ``max_micro_batch``."""
+    """The fewest micro-steps that fit ``global_batch`` in micro-batches of at most ``max_micro_batch``.
+
+    When the world size divides the global batch, up to twice as many micro-steps are allowed
+    to find a layout with no padding (see the module docstring: padding reaches BatchNorm).
+    """
     accumulation = math.ceil(global_batch / (world_size * max_micro_batch))
+    per_rank, remainder = divmod(global_batch, world_size)
+    if remainder == 0:
+        for candidate in range(accumulation, 2 * accumulation + 1):
+            if per_rank % candidate == 0:
+                return Layout(world_size, candidate, per_rank // candidate)
     return Layout(world_size, accumulation, math.ceil(global_batch / (world_size * accumulation)))
 
 

@@ -23,24 +23,27 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import default_collate
 
 from training import elastic
-from training.checkpoint import CheckpointManager
+from training.broadcast import broadcast_state
+from training.checkpoint import CheckpointError, CheckpointManager, Saved
 from training.config import TrainConfig
-from training.data import DataError, Keyed, build_dataset, build_loader
+from training.data import DataError, build_dataset, build_loader
 from training.device import Runtime, detect, move
-from training.launch import STOP_BUDGET_ENV
+from training.launch import EXIT_MEMBERSHIP_CHANGE, STOP_BUDGET_ENV
 from training.metrics import MetricsWriter, training_flops_per_sample
-from training.models import build_model
-from training.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, SampleKey, fixed_global_layout
+from training.models import IMAGE_MODELS, build_model
+from training.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
 
 log = logging.getLogger(__name__)
-# Exit status of ranks that stopped only because a peer was told to: torchrun must restart
-# them into a new rendezvous round, not treat the job as finished.
-EXIT_MEMBERSHIP_CHANGE = 75
-# A checkpoint write longer than this share of that budget is warned about.
+# A checkpoint write longer than this share of the stop budget is warned about.
 STOP_BUDGET_SHARE = 0.8
+# Seconds of the stop budget kept back when a dying trainer waits for its checkpoint write.
+EXIT_MARGIN_S = 5
+
+
+class Diverged(Exception):
+    """The loss or the weights stopped being finite; nothing after the last good checkpoint was saved."""
 
 
 @dataclass
@@ -52,6 +55,7 @@ class Progress:
     step: int = 0  # optimizer steps since the start of training
     # Segments [attempt, first_step, end_step) whose steps count; each resume adds one.
     history: list[list[Any]] = field(default_factory=list)
+    bad_samples: int = 0  # samples skipped because they could not be read, over the whole run
 
 
 @dataclass
@@ -90,8 +94,6 @@ class Trainer:
     def __init__(self, config: TrainConfig):
         self.config = config
         self.started = time.perf_counter()
-        if "TORCHELASTIC_RUN_ID" in os.environ:
-            elastic.die_with_parent()
         self.stop = elastic.StopRequest()
         self.stop.install()
         self.membership = elastic.Membership.from_environment()
@@ -120,14 +122,23 @@ class Trainer:
             self.module.to(memory_format=torch.channels_last)
         self.optimizer = self._optimizer()
         self.scaler = self.runtime.grad_scaler(config.train.precision)
+        checkpoint = config.checkpoint
         self.checkpoints = CheckpointManager(
-            config.checkpoint.dir, config.checkpoint.keep_last, config.checkpoint.async_save
+            checkpoint.dir, checkpoint.keep_last, checkpoint.async_save, checkpoint.staging_dir,
+            on_saved=self._announce_saved if self.rank == 0 else None,
         )
         self.progress = Progress()
         self.resumed_from: int | None = None
+        self.flops_per_sample: float | None = None  # counted once per run, kept in the checkpoints
         self._saved_step: int | None = None
+        self._durable_step = 0  # the newest step on disk (rank 0 knows; others never need it)
+        self._write_lead = 0  # steps the last write lasted: start the next asynchronous one that early
+        self._recent_step_s: float | None = None  # moving average of the step time
         self._budget_warned = False
-        self._resume()
+        self._bad_pending = 0  # samples skipped on this rank since the last count across ranks
+        self._nonfinite: Tensor | None = None  # single process: a non-finite loss seen since the last check
+        resume_event = self._resume()
+        self._durable_step = self.progress.step
         self.attempt = self._agree_on_attempt_id()
         self.first_step = self.progress.step
 
@@ -149,6 +160,7 @@ class Trainer:
         self.layout, self.lr_scale, self.global_batch = self._batch_layout()
         self.plan = ElasticBatchPlan(len(self.dataset), self.global_batch, config.train.seed)
         self.sample_log = self._open_sample_log()
+        self._resume_event = resume_event
 
     # --- setup -----------------------------------------------------------------------------
 
@@ -168,21 +180,98 @@ class Trainer:
         global_batch = self.world_size * train.micro_batch_size
         return Layout(self.world_size, 1, train.micro_batch_size), global_batch / train.global_batch_size, global_batch
 
-    def _resume(self) -> None:
-        found = self.checkpoints.load_latest()
-        if found is None:
-            return
-        step, state = found
+    def _signature(self) -> dict[str, Any]:
+        """What a checkpoint must share with this job to be resumed by it."""
+        model = self.config.model
+        signature: dict[str, Any] = {"model.name": model.name, "model.num_classes": model.num_classes,
+                                     "optim.name": self.config.optim.name}
+        if model.name in IMAGE_MODELS:
+            signature["model.image_size"] = model.image_size
+        return signature
+
+    def _mismatch(self, state: dict[str, Any]) -> str | None:
+        """How ``state`` differs from this job, in words; None when it fits."""
+        saved = state.get("signature")
+        if isinstance(saved, dict):
+            differences = [f"{key} {saved.get(key)!r} there, {value!r} here"
+                           for key, value in self._signature().items() if saved.get(key) != value]
+            if differences:
+                return "; ".join(differences)
+        weights = state.get("model")
+        if not isinstance(weights, dict):
+            return "it holds no model weights"
+        own = self.module.state_dict()
+        missing = [key for key in own if key not in weights]
+        unexpected = [key for key in weights if key not in own]
+        if missing or unexpected:
+            example = (missing or unexpected)[0]
+            return f"{len(missing)} tensor(s) missing and {len(unexpected)} unexpected, e.g. {example}"
+        for key, tensor in own.items():
+            if tuple(weights[key].shape) != tuple(tensor.shape):
+                return f"{key} has shape {list(weights[key].shape)} there, {list(tensor.shape)} here"
+        return None
+
+    def _decide(self) -> dict[str, Any]:
+        """Rank 0 alone: probe the directory, read the newest usable checkpoint, or say why not."""
+        started = time.perf_counter()
+        try:
+            self.checkpoints.probe()
+        except CheckpointError as exc:
+            return {"kind": "refuse", "message": str(exc)}
+        newest = self.checkpoints.load_newest()
+        directory = self.checkpoints.directory
+        if newest.state is None and not newest.unreadable:
+            return {"kind": "fresh"}
+        if newest.state is None:
+            problem = (f"checkpoint.dir: none of the {len(newest.unreadable)} checkpoint(s) in {directory} can be "
+                       f"read (newest {newest.unreadable[0]})")
+        else:
+            mismatch = self._mismatch(newest.state)
+            if mismatch is None:
+                return {"kind": "resume", "step": newest.step, "path": str(newest.path), "state": newest.state,
+                        "bytes_read": newest.bytes_read, "read_s": time.perf_counter() - started,
+                        "unreadable": newest.unreadable}
+            problem = f"checkpoint.dir: {newest.path} does not fit this job: {mismatch}"
+        if self.config.checkpoint.if_unusable == "start_fresh":
+            where = self.checkpoints.set_aside()
+            log.warning("%s; moved every checkpoint to %s and starting at step 0 (checkpoint.if_unusable="
+                        "start_fresh)", problem, where)
+            return {"kind": "fresh", "set_aside": str(where)}
+        return {"kind": "refuse", "message": f"{problem}; allowed: another checkpoint.dir, or "
+                                             "checkpoint.if_unusable=start_fresh to set them aside and start at step 0"}
+
+    def _resume(self) -> dict[str, Any]:
+        """One decision, made by rank 0 and followed by all: resume from which step, start fresh, or refuse.
+
+        Rank 0 alone reads the file; the state reaches the other ranks by broadcast, so a
+        restart reads each checkpoint once, not once per rank, and no rank can load another step.
+        """
+        started = time.perf_counter()
+        decision = self._decide() if self.rank == 0 else {}
+        summary = [{key: value for key, value in decision.items() if key != "state"}]
+        if self.distributed:
+            dist.broadcast_object_list(summary, src=0)
+        summary = summary[0]
+        if summary["kind"] == "refuse":
+            raise CheckpointError(summary["message"])
+        if summary["kind"] == "fresh":
+            return {"set_aside": summary["set_aside"]} if "set_aside" in summary else {}
+        state = broadcast_state(decision.get("state"), self._flag_device())
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
+        if self.scaler.is_enabled() and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         self.progress = Progress(**state["progress"])
+        self.flops_per_sample = state.get("flops_per_sample")
         rng = state["rng"]
         if self.rank < len(rng):
             _set_rng_state(rng[self.rank])
         else:  # a rank that did not exist when the checkpoint was written
-            _seed_all(self.config.train.seed * 1009 + step * 31 + self.rank)
-        self.resumed_from = step
+            _seed_all(self.config.train.seed * 1009 + summary["step"] * 31 + self.rank)
+        self.resumed_from = summary["step"]
+        return {"checkpoint": summary["path"], "read_s": round(summary["read_s"], 3),
+                "load_s": round(time.perf_counter() - started, 3), "bytes_read": summary["bytes_read"],
+                "skipped_unreadable": summary["unreadable"]}
 
     def _agree_on_attempt_id(self) -> str:
         attempt = [uuid.uuid4().hex[:12]]
@@ -212,10 +301,12 @@ class Trainer:
                         self.global_batch, self.lr_scale)
         self.metrics.event(
             "resume" if self.resumed_from is not None else "start",
-            step=self.progress.step, epoch=self.progress.epoch, offset=self.progress.offset,
-            checkpoint=str(self.checkpoints.path(self.resumed_from)) if self.resumed_from is not None else None,
+            step=self.progress.step, epoch=self.progress.epoch, offset=self.progress.offset, **self._resume_event,
         )
         flops_per_sample = self._count_flops() if self.rank == 0 else None
+        self.stop.training = True  # from here a stop signal checkpoints at the end of the step
+        if self.stop.requested:
+            log.warning("stop requested during startup")
         total_steps = cfg.train.max_steps
         last_loss: float | None = None
         window = _Window()
@@ -234,8 +325,9 @@ class Trainer:
                 if (self.distributed and self.first_start
                         and self.progress.step - self.first_step == cfg.distributed.warmup_steps):
                     elastic.shorten_timeout(cfg.distributed.timeout_s)
-                stop_now, notice = elastic.any_rank(self.stop.requested, self.spot.pending,
-                                                    device=self._flag_device())
+                self._recent_step_s = step_time if self._recent_step_s is None else (
+                    0.9 * self._recent_step_s + 0.1 * step_time)
+                stop_now, notice, save_now = self._agree(loss)
                 if self.progress.step % cfg.train.log_every_steps == 0:
                     last_loss = self._report(window, flops_per_sample)
                 if stop_now:
@@ -245,8 +337,9 @@ class Trainer:
                 if notice:
                     self.spot.acted()
                     self._save(synchronous=True, reason="spot-notice")
-                elif self.progress.step % cfg.checkpoint.interval_steps == 0:
+                elif save_now:
                     self._save(synchronous=False)
+                self._keep_loss_bound()
             del batches, loader
             if stopped:
                 break
@@ -257,10 +350,11 @@ class Trainer:
             if window.steps:
                 last_loss = self._report(window, flops_per_sample)
             if self._saved_step != self.progress.step:
-                self._save(synchronous=True)
+                self._save(synchronous=True, reason="finished")
         self.checkpoints.wait()
         self.metrics.event("stop" if stopped else "finished", step=self.progress.step,
-                           signal=self.stop.signal_name, by_peer=stopped and not self.stop.requested)
+                           signal=self.stop.signal_name, by_peer=stopped and not self.stop.requested,
+                           bad_samples=self.progress.bad_samples)
         self.metrics.close()
         if self.sample_log:
             self.sample_log.close()
@@ -271,6 +365,41 @@ class Trainer:
 
     def _flag_device(self) -> torch.device:
         return self.runtime.device if self.runtime.backend == "nccl" else torch.device("cpu")
+
+    def _agree(self, loss: Tensor) -> tuple[bool, bool, bool]:
+        """Stop? Spot notice? Save now? And is the loss finite? All in the step's one tiny all-reduce.
+
+        The finiteness of the loss rides along as a device tensor, so it costs no host sync of
+        its own; in a single process it is checked at the next report or save instead.
+        """
+        not_finite = ~torch.isfinite(loss)
+        save_due = self.rank == 0 and self._save_due()
+        if not self.distributed:
+            self._nonfinite = not_finite if self._nonfinite is None else self._nonfinite | not_finite
+            return self.stop.requested, self.spot.pending, save_due
+        stop_now, notice, save_now, diverged = elastic.any_rank(
+            self.stop.requested, self.spot.pending, save_due, not_finite, device=self._flag_device())
+        if diverged:
+            raise self._diverged()
+        return stop_now, notice, save_now
+
+    def _diverged(self) -> Diverged:
+        steps = self.checkpoints.steps()
+        kept = f"step-{steps[-1]:09d}.pt" if steps else "none yet"
+        return Diverged(f"the loss is not finite at step {self.progress.step}; nothing was saved after the newest "
+                        f"checkpoint ({kept}); allowed: resume with a lower optim.lr or an optim.grad_clip_norm, or "
+                        "check the data")
+
+    def _check_finite(self) -> None:
+        """Before a save or a report: the loss (single process) and the weights are finite."""
+        if self._nonfinite is not None:
+            seen, self._nonfinite = bool(self._nonfinite), None
+            if seen:
+                raise self._diverged()
+
+    def _weights_finite(self) -> bool:
+        flags = [torch.isfinite(p).all() for p in self.module.parameters()]
+        return bool(torch.stack(flags).all()) if flags else True
 
     def _step(self, batches) -> tuple[Tensor, float, float]:
         cfg = self.config
@@ -292,10 +421,13 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.runtime.device)
         data_wait = 0.0
         ids: list[int] = []
+        skipped: list[int] = []
         for micro in range(self.layout.accumulation):
             wait_started = time.perf_counter()
-            inputs, target, index, weight = next(batches)
+            inputs, target, index, weight, problems = next(batches)
             data_wait += time.perf_counter() - wait_started
+            if any(problems):
+                skipped += self._skip(index, problems)
             if self.sample_log:
                 ids += index[weight > 0].tolist()
             inputs, target, weight = move((inputs, target, weight), self.runtime, self.channels_last)
@@ -315,21 +447,53 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.runtime.mark_step()
         if self.sample_log:
+            extra = f', "skipped": {skipped}' if skipped else ""
             self.sample_log.write(
                 f'{{"attempt": "{self.attempt}", "step": {self.progress.step}, "epoch": {self.progress.epoch}, '
-                f'"ids": {ids}}}\n'
+                f'"ids": {ids}{extra}}}\n'
             )
         self.progress.step += 1
         self.progress.offset += self.global_batch
         return loss_sum, data_wait, time.perf_counter() - started
 
+    def _skip(self, index: Tensor, problems: list[str]) -> list[int]:
+        """Samples that could not be read: named in the log, counted, trained as weight-0 padding."""
+        skipped = []
+        for sample, problem in zip(index.tolist(), problems):
+            if problem:
+                log.warning("skipping sample %d at step %d: %s", sample, self.progress.step, problem)
+                skipped.append(sample)
+        self._bad_pending += len(skipped)
+        return skipped
+
+    def _count_bad_samples(self, reduced_pending: float | None = None) -> None:
+        """Add the skipped samples of all ranks to the run's count; too many ends the run, naming the limit."""
+        if reduced_pending is None:
+            reduced_pending = float(self._bad_pending)
+            if self.distributed:
+                total = torch.tensor([reduced_pending], device=self._flag_device())
+                dist.all_reduce(total)
+                reduced_pending = float(total.item())
+        self._bad_pending = 0
+        self.progress.bad_samples += round(reduced_pending)
+        limit = self.config.data.max_bad_samples
+        if self.progress.bad_samples > limit:
+            raise DataError(
+                f"data.max_bad_samples: {self.progress.bad_samples} samples could not be read, more than the "
+                f"allowed {limit} (the log names each file); allowed: repair or remove them (prepare-imagenet "
+                "--verify lists them), or raise data.max_bad_samples")
+
     def _report(self, window: "_Window", flops_per_sample: float | None) -> float:
-        loss = window.loss_sum
+        self._check_finite()
+        totals = torch.stack([window.loss_sum.float().reshape(()),
+                              torch.tensor(float(self._bad_pending), device=self.runtime.device)])
         if self.distributed:
-            dist.all_reduce(loss)
+            dist.all_reduce(totals)
         self.runtime.synchronize()
+        loss_total, bad = totals.tolist()
+        self._count_bad_samples(bad)
         elapsed = window.time
-        mean_loss = float(loss) / window.steps
+        mean_loss = loss_total / window.steps
         samples_per_s = window.steps * self.global_batch / elapsed if elapsed else 0.0
         peak = self.runtime.peak_memory_bytes()
         mfu = None
@@ -343,27 +507,57 @@ class Trainer:
             data_wait_pct=round(100 * window.data_wait / elapsed, 2) if elapsed else 0.0,
             peak_memory_gib=round(peak / 2**30, 3) if peak else None,
             world_size=self.world_size, restart_count=self.membership.restart_count,
-            mfu=round(mfu, 4) if mfu is not None else None,
+            mfu=round(mfu, 4) if mfu is not None else None, bad_samples=self.progress.bad_samples,
         )
         window.reset()
         return mean_loss
 
     def _count_flops(self) -> float | None:
-        """Forward+backward FLOPs of one sample, measured once; gradients are discarded."""
-        sample_batch = default_collate([Keyed(self.dataset)[SampleKey(0, 1.0, 0)]])
-        inputs, target, _, _ = move(sample_batch, self.runtime, self.channels_last)
-
-        def one_step() -> None:
-            with self.runtime.autocast(self.config.train.precision):
-                per_sample_loss(self.module, inputs, target, self.config.model.is_masked_lm).sum().backward()
-
-        flops = training_flops_per_sample(one_step, 1)
-        self.optimizer.zero_grad(set_to_none=True)
-        return flops
+        """Forward+backward FLOPs of one sample, counted once per run on a copy of the model on the
+        meta device: no memory, no compute, and the real model's weights, gradients and BatchNorm
+        statistics are not touched. Kept in every checkpoint, so a restart does not count again."""
+        if self.flops_per_sample is None:
+            self.flops_per_sample = count_training_flops(self.config)
+        return self.flops_per_sample
 
     # --- checkpoints -----------------------------------------------------------------------
 
+    def _save_due(self) -> bool:
+        """Rank 0: start a save now? Early enough that it is on disk by one interval after the last one."""
+        if self.checkpoints.in_flight:
+            return False
+        interval = self.config.checkpoint.interval_steps
+        return self.progress.step - self._durable_step >= max(1, interval - self._write_lead)
+
+    def _keep_loss_bound(self) -> None:
+        """Rank 0, before the next step: never train more than one interval past the newest checkpoint on disk.
+
+        A kill then loses at most ``checkpoint.interval_steps`` steps. Saves start early by the
+        length of the last write (:meth:`_save_due`), so this rarely waits; when an asynchronous
+        write has not finished in time, it does (the other ranks wait at the next collective).
+        """
+        if self.rank != 0 or not self.checkpoints.in_flight:
+            return
+        if self.progress.step - self._durable_step >= self.config.checkpoint.interval_steps:
+            self.checkpoints.wait()
+
+    def _announce_saved(self, saved: Saved) -> None:
+        """Rank 0, from the writer: the file is durable. Called from the writer thread when asynchronous."""
+        spanned = max(0, self.progress.step - saved.step)  # steps trained while it was written
+        if self._recent_step_s and self.checkpoints.async_save:
+            # Whole steps the write lasts: the next asynchronous save starts that many steps early.
+            self._write_lead = min(self.config.checkpoint.interval_steps - 1, int(saved.write_s / self._recent_step_s))
+        self._durable_step = max(self._durable_step, saved.step)
+        self.metrics.event("checkpoint_saved", step=saved.step, path=str(saved.path), bytes=saved.bytes,
+                           write_s=round(saved.write_s, 3), blocking_s=round(saved.blocking_s, 4),
+                           steps_during_write=spanned)
+
     def _save(self, synchronous: bool, reason: str = "interval") -> None:
+        # Never save, nor prune a good checkpoint for, a state that is not finite.
+        self._check_finite()
+        if not self._weights_finite():
+            raise self._diverged()
+        self._count_bad_samples()
         self._saved_step = self.progress.step
         rng = _rng_state()
         states = [None] * self.world_size if self.rank == 0 else None
@@ -375,33 +569,44 @@ class Trainer:
             progress = self.progress
             history = [*progress.history, [self.attempt, self.first_step, progress.step]]
             state = {
+                "signature": self._signature(),
                 "model": self.module.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "schedule": {"name": self.config.optim.schedule, "base_lr": self.config.optim.lr,
                              "lr_scale": self.lr_scale, "lr": self.optimizer.param_groups[0]["lr"]},
                 "progress": {"epoch": progress.epoch, "offset": progress.offset, "step": progress.step,
-                             "history": history},
+                             "history": history, "bad_samples": progress.bad_samples},
                 "rng": states,
                 "world_size": self.world_size,
                 "global_batch": self.global_batch,
+                "flops_per_sample": self.flops_per_sample,
             }
-            started = time.perf_counter()
-            self.checkpoints.save(progress.step, state)
-            if synchronous:
-                self.checkpoints.wait()
-            # The newest write that finished (this one when synchronous): what a SIGTERM would cost.
-            write_s = self.checkpoints.last_write_seconds
-            self.metrics.event("checkpoint", step=progress.step, path=str(self.checkpoints.path(progress.step)),
-                               blocking_s=round(time.perf_counter() - started, 4), asynchronous=not synchronous,
-                               reason=reason, last_write_s=round(write_s, 3), stop_budget_s=self.stop_budget_s)
-            if write_s > STOP_BUDGET_SHARE * self.stop_budget_s and not self._budget_warned:
+            asynchronous = self.checkpoints.async_save and not synchronous
+            self.metrics.event("checkpoint_started", step=progress.step, reason=reason, asynchronous=asynchronous,
+                               stop_budget_s=self.stop_budget_s)
+            self.checkpoints.save(progress.step, state, asynchronous=asynchronous)
+            last = self.checkpoints.last_saved
+            if last is not None and last.write_s > STOP_BUDGET_SHARE * self.stop_budget_s and not self._budget_warned:
                 self._budget_warned = True
                 log.warning("a checkpoint takes %.1f s to write, more than %.0f%% of the %.0f s a SIGTERM leaves "
-                            "before SIGKILL: raise the pod's grace period or write less", write_s,
+                            "before SIGKILL: raise the pod's grace period or write less", last.write_s,
                             100 * STOP_BUDGET_SHARE, self.stop_budget_s)
         if synchronous and self.distributed:
             dist.barrier()  # nobody exits before the checkpoint is on disk
+
+    def finish_writing(self) -> None:
+        """A trainer on its way out (an error, a lost peer) waits, within its stop budget, for its write."""
+        if not self.checkpoints.in_flight:
+            return
+        bound = max(1.0, self.stop_budget_s - EXIT_MARGIN_S)
+        log.warning("waiting up to %.0f s for the checkpoint being written before exiting", bound)
+        try:
+            if not self.checkpoints.wait(timeout=bound):
+                log.error("the checkpoint write did not finish within %.0f s; the job resumes from the one before",
+                          bound)
+        except Exception as exc:  # noqa: BLE001 - exiting anyway; say why the write failed
+            log.error("the checkpoint write failed: %s", exc)
 
 
 class _Window:
@@ -423,19 +628,49 @@ class _Window:
         self.time += step_time
 
 
+def count_training_flops(config: TrainConfig) -> float | None:
+    """Forward+backward FLOPs per sample of ``config``'s model, on the meta device (two samples, so
+    BatchNorm in training mode has more than one value per channel even at 16 px)."""
+    model_config = config.model
+    with torch.device("meta"):
+        model = build_model(model_config.name, model_config.num_classes, model_config.image_size)
+        if model_config.is_masked_lm:
+            inputs = torch.zeros(2, config.data.seq_len, dtype=torch.long)
+            target = torch.zeros(2, config.data.seq_len, dtype=torch.long)
+        else:
+            inputs = torch.zeros(2, 3, model_config.image_size, model_config.image_size)
+            target = torch.zeros(2, dtype=torch.long)
+
+    def one_step() -> None:
+        per_sample_loss(model, inputs, target, model_config.is_masked_lm).sum().backward()
+
+    return training_flops_per_sample(one_step, 2)
+
+
 def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every generator's state as tensors and plain values, loadable with ``weights_only=True``."""
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    # Generators need a tensor of their own: a received state is a view into a broadcast bucket.
+    torch.set_rng_state(state["torch"].cpu().clone())
+    numpy = state["numpy"]
+    np.random.set_state((numpy["kind"], numpy["keys"].cpu().numpy().astype(np.uint32), numpy["position"],
+                         numpy["has_gauss"], numpy["cached_gaussian"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"].cpu().clone())
 
 
 def _seed_all(seed: int) -> None:
@@ -449,6 +684,9 @@ def train(config: TrainConfig) -> TrainResult:
     trainer = Trainer(config)
     try:
         result = trainer.run()
+    except BaseException:
+        trainer.finish_writing()
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

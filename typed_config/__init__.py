@@ -31,9 +31,9 @@ class FieldProblem(ValueError):
 
 
 class StrictModel(BaseModel):
-    """Unknown keys are errors and a validated config cannot change under its users."""
+    """Unknown keys are errors, numbers are finite, and a validated config cannot change under its users."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ConfigError(Exception):

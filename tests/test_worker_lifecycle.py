@@ -1,0 +1,168 @@
+"""Workers and their agent: no orphan trains alone, and the restart budget is spent only by crash
+loops, not by the interruptions a long job on Spot capacity lives through. Real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from training.launch import EXIT_RESTART_JOB
+from training.local_cluster import Agent, read_events, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+# An "agent" that starts its worker the way torchrun does (a new session) and dies at once,
+# while the worker is still importing torch.
+DYING_AGENT = textwrap.dedent("""
+    import os, subprocess, sys
+    os.environ["PLATFORM_AGENT_PID"] = str(os.getpid())
+    os.environ["TORCHELASTIC_RUN_ID"] = "orphan-test"
+    worker = subprocess.Popen([sys.executable, "-m", "training", "train", *sys.argv[2:]], start_new_session=True)
+    with open(sys.argv[1], "w") as handle:
+        handle.write(str(worker.pid))
+    os._exit(0)
+""")
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state  # a zombie waiting to be reaped has stopped
+
+
+def test_a_worker_whose_agent_dies_during_startup_never_trains(tmp_path):
+    pid_file = tmp_path / "worker.pid"
+    args = ["--model.name=mlp", "--model.image_size=16", "--train.max_steps=200", "--train.device=cpu",
+            "--train.precision=fp32", "--data.num_workers=0", f"--checkpoint.dir={tmp_path}/checkpoints",
+            f"--metrics.jsonl_path={tmp_path}/metrics.jsonl"]
+    subprocess.run([sys.executable, "-c", DYING_AGENT, str(pid_file), *args], cwd=REPO, check=True, timeout=60)
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid), "the orphaned worker is still running"
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def budget_args(work: Path, interval: int) -> list[str]:
+    return [
+        "--model.name=mlp", "--model.image_size=16", "--model.num_classes=4", "--data.synthetic_samples=400000",
+        "--data.num_workers=0", "--train.global_batch_size=16", "--train.micro_batch_size=16", "--train.epochs=1",
+        "--train.max_steps=3000", "--train.precision=fp32", "--train.log_every_steps=10",
+        f"--checkpoint.dir={work}/checkpoints", f"--checkpoint.interval_steps={interval}",
+        f"--metrics.jsonl_path={work}/metrics.jsonl",
+    ]
+
+
+def events(work: Path, kind: str) -> list[dict]:
+    return [e for e in read_events(work / "metrics.jsonl") if e["event"] == kind]
+
+
+def test_crashes_after_progress_do_not_spend_the_restart_budget(tmp_path, etcd_module):
+    agent = Agent("solo", etcd_module, "budget-progress", tmp_path, budget_args(tmp_path, 100), max_nodes=1,
+                  max_restarts=1)
+    try:
+        wait_until(lambda: events(tmp_path, "rendezvous"), "the first round", 120, [agent])
+        for crash in range(3):  # three times the budget
+            seen = len(events(tmp_path, "rendezvous"))
+            wait_until(lambda: [e for e in events(tmp_path, "checkpoint_saved")
+                                if e["time"] > events(tmp_path, "rendezvous")[-1]["time"]],
+                       f"a checkpoint in round {crash + 1}", 120, [agent])
+            agent.kill_workers()
+            wait_until(lambda: len(events(tmp_path, "rendezvous")) > seen, "the restart", 120, [agent])
+        assert agent.wait(timeout=240) == 0, agent.output()[-3000:]
+    finally:
+        agent.stop()
+    assert agent.output().count("this restart does not count against --max-restarts") == 3
+    assert events(tmp_path, "finished")[-1]["step"] == 3000
+
+
+def test_a_crash_loop_still_runs_out_of_restarts(tmp_path, etcd_module):
+    agent = Agent("solo", etcd_module, "budget-loop", tmp_path, budget_args(tmp_path, 100_000), max_nodes=1,
+                  max_restarts=2)
+    try:
+        assert agent.crash_loop(timeout=120) == EXIT_RESTART_JOB
+    finally:
+        agent.stop()
+    output = agent.output()
+    assert "does not count against --max-restarts" not in output
+    assert "workers failed and --max-restarts is spent" in output
+    assert output.count("failed (exitcode: -9)") == 3  # two restarts, then it gave up
+
+
+def test_a_node_notices_a_dead_member_of_its_round_within_a_heartbeat_expiry(etcd_module, monkeypatch):
+    """torch leaves the round complete when a member's heartbeats stop, so the survivor's agent would
+    learn of the death only from its workers: minutes when they are waiting for the dead node's store."""
+    import threading
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from training import rendezvous
+    from training.launch import PLATFORM_TUNING
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    rendezvous.register()
+    conf = dict(item.split("=") for item in PLATFORM_TUNING.conf().split(","))
+    run_id = f"dead-member-{time.time_ns()}"
+    survivor, victim = (rendezvous.PlatformRendezvousHandler.create(RendezvousParameters(
+        backend=rendezvous.BACKEND_NAME, endpoint=etcd_module, run_id=run_id, min_nodes=2, max_nodes=2,
+        local_addr="127.0.0.1", **conf)) for _ in range(2))
+    joined = [threading.Thread(target=h.next_rendezvous) for h in (survivor, victim)]
+    for thread in joined:
+        thread.start()
+    for thread in joined:
+        thread.join(timeout=60)
+    try:
+        quiet_until = time.monotonic() + 3  # both heartbeat: nothing to report
+        while time.monotonic() < quiet_until:
+            assert survivor.num_nodes_waiting() == 0
+            time.sleep(0.1)
+        victim._stop_heartbeats()  # its pod is gone
+        died = time.monotonic()
+        while survivor.num_nodes_waiting() == 0:
+            assert time.monotonic() - died < 10, "the survivor never noticed"
+            time.sleep(0.05)
+        expiry = PLATFORM_TUNING.keep_alive_interval * PLATFORM_TUNING.keep_alive_max_attempt
+        assert time.monotonic() - died < expiry + 2
+    finally:
+        survivor.shutdown()
+        victim.shutdown()
+
+
+def test_a_worker_stuck_waiting_for_a_dead_peer_stops_at_once_on_sigterm(tmp_path):
+    """Blocked in init_process_group (C++), Python runs no signal handler: without the wake-up
+    pipe the agent would wait its whole stop budget before SIGKILL, at every such restart."""
+    import signal
+    import socket
+
+    from training.local_cluster import free_port
+
+    port = free_port()
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "stuck", "OMP_NUM_THREADS": "1"}
+    worker = subprocess.Popen([sys.executable, "-m", "training", "train", "--model.name=mlp", "--model.image_size=16",
+                               "--train.device=cpu", f"--checkpoint.dir={tmp_path}/checkpoints"],
+                              cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # rank 0 listens for its peer, which never comes
+            assert worker.poll() is None and time.monotonic() < deadline, "the worker did not start"
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        time.sleep(1)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=10) == 128 + signal.SIGTERM
+    finally:
+        worker.kill()
+    assert "SIGTERM before training started: nothing to checkpoint, exiting now" in worker.stderr.read()
