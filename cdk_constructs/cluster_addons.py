@@ -48,11 +48,12 @@ class ClusterAddons(Construct):
                                                    resources=[props.file_system_arn]))
         self.fsx_csi = self._addon("aws-fsx-csi-driver", roles=[fsx], configuration={
             "node": {"tolerations": TOLERATE_ALL}})
+        self.observability: eks.CfnAddon | None = None
         if props.monitoring:
             agent = self._role("CloudWatchAgent", "amazon-cloudwatch", "cloudwatch-agent",
                                "CloudWatch agent: Container Insights with GPU, Neuron and EFA metrics",
                                managed=["CloudWatchAgentServerPolicy"])
-            self._addon("amazon-cloudwatch-observability", roles=[agent], configuration={
+            self.observability = self._addon("amazon-cloudwatch-observability", roles=[agent], configuration={
                 "tolerations": TOLERATE_ALL,
                 "agent": {"config": {"logs": {"metrics_collected": {"kubernetes": {
                     "enhanced_container_insights": True, "accelerated_compute_metrics": True}}}}},

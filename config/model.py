@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from config.catalog import CATALOG, InstanceType, accelerated_types, cpu_types, lookup
+from config.regions import availability_zones
 from config.versions import (
     ADDON_VERSIONS, CLUSTER_AUTOSCALER_CHART_RANGES, CLUSTER_AUTOSCALER_CHARTS, EFA_DEVICE_PLUGIN_CHART,
     MIN_VPC_CNI_FOR_EFA_ONLY, autoscaler_minor, semver,
@@ -69,6 +70,11 @@ FSX_THROUGHPUT_BY_TYPE: dict[FsxDeploymentType, tuple[int, ...] | None] = {
 }
 
 
+# Amazon EKS service quotas (User Guide, "Amazon EKS service quotas"): nodes per managed node
+# group, default 450. A larger max_size is a typo, or needs a quota increase first.
+MAX_NODES_PER_GROUP = 450
+
+
 class _Sized(StrictModel):
     """A node group's sizes; every subclass gets the min <= desired <= max rule.
 
@@ -83,6 +89,9 @@ class _Sized(StrictModel):
 
     @model_validator(mode="after")
     def _sizes_in_order(self):
+        if self.max_size > MAX_NODES_PER_GROUP:
+            raise FieldProblem("max_size", self.max_size, f"1 to {MAX_NODES_PER_GROUP}",
+                               f"EKS's quota 'Nodes per managed node group' is {MAX_NODES_PER_GROUP} unless raised")
         if self.min_size > self.desired_size:
             raise FieldProblem(
                 "min_size", self.min_size, f"at most desired_size ({self.desired_size})", "min_size exceeds desired_size"
@@ -343,9 +352,13 @@ class EcrConfig(StrictModel):
 
 
 class MonitoringConfig(StrictModel):
-    """CloudWatch Container Insights with GPU, Neuron and EFA metrics."""
+    """CloudWatch Container Insights with GPU, Neuron and EFA metrics, a dashboard and waste alarms."""
 
     enabled: bool = True
+    # Pods' logs (the trainer's JSON lines included) stay this long after the pods are gone.
+    log_retention_days: RetentionDays = 30
+    # The alarms notify this SNS topic (yours: its subscriptions and encryption are your choice).
+    alarm_topic_arn: Annotated[str, Field(pattern=r"^arn:aws[a-z-]*:sns:[a-z0-9-]+:\d{12}:[A-Za-z0-9_-]+$")] | None = None
 
 
 SemVer = Annotated[str, Field(pattern=r"^v?\d+\.\d+\.\d+$")]
@@ -454,6 +467,13 @@ class PipelineConfig(StrictModel):
         return stages
 
 
+# AWS tag rules (Tagging AWS resources, "Tag naming limits and requirements"): 50 tags per
+# resource, keys up to 128 and values up to 256 characters of these, no aws: prefix.
+TAG_TEXT = re.compile(r"[\w\s+\-=.:/@]*")
+PLATFORM_TAGS = ("platform",)
+MAX_USER_TAGS = 50 - len(PLATFORM_TAGS)
+
+
 class PlatformConfig(StrictModel):
     """Everything one platform deployment needs."""
 
@@ -475,6 +495,22 @@ class PlatformConfig(StrictModel):
     pipeline: PipelineConfig | None = None
     tags: dict[Annotated[str, Field(min_length=1, max_length=128)], Annotated[str, Field(max_length=256)]] = {}
 
+    @field_validator("tags")
+    @classmethod
+    def _taggable(cls, tags: dict[str, str]) -> dict[str, str]:
+        if len(tags) > MAX_USER_TAGS:
+            raise FieldProblem("", f"{len(tags)} tags", f"at most {MAX_USER_TAGS}",
+                               f"AWS allows 50 per resource and the platform adds {', '.join(PLATFORM_TAGS)}")
+        for key, value in tags.items():
+            if key.lower().startswith("aws:"):
+                raise FieldProblem(key, key, "a key that does not start with aws: (AWS reserves that prefix)")
+            if key in PLATFORM_TAGS:
+                raise FieldProblem(key, key, "another key", "the platform sets this tag itself")
+            for text in (key, value):
+                if not TAG_TEXT.fullmatch(text):
+                    raise FieldProblem(key, text, "letters, digits, spaces and _ . : / = + - @ (AWS tag rules)")
+        return tags
+
     @field_validator("compute_az", "control_plane_az")
     @classmethod
     def _az_in_region(cls, v: str, info: ValidationInfo) -> str:
@@ -483,6 +519,9 @@ class PlatformConfig(StrictModel):
             return v
         if not re.fullmatch(rf"{re.escape(region)}[a-z]", v):
             raise FieldProblem("", v, f"an Availability Zone of {region}, e.g. {region}a", f"not in region {region}")
+        zones = availability_zones(region)
+        if zones is not None and v not in zones:
+            raise FieldProblem("", v, ", ".join(zones), f"{region} has no such Availability Zone")
         if info.field_name == "control_plane_az" and v == info.data.get("compute_az"):
             raise FieldProblem("", v, "a second AZ, different from compute_az (EKS needs two)")
         return v

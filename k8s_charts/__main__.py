@@ -12,10 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from cdk8s import App
-
 from config import DEFAULT_CONFIG, load_config
-from k8s_charts.render import render_job, render_platform, volume_from_outputs
+from k8s_charts.node import NodeRuntimeMissing, select_node
 from typed_config import ConfigError, exit_on_config_error
 
 
@@ -27,6 +25,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", help="trainer image for the data preparation job (default: the first job's)")
     parser.add_argument("--out", default="dist")
     args = parser.parse_args(argv)
+    try:
+        select_node()
+    except NodeRuntimeMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from cdk8s import App
+
+    from k8s_charts.render import render_job, render_platform, volume_from_outputs
+
     try:
         config = load_config(args.config)
         volume = volume_from_outputs(json.loads(Path(args.outputs).read_text()), config) if args.outputs else None

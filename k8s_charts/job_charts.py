@@ -30,9 +30,6 @@ LOST_NODE_TOLERATION_SECONDS = 60
 # whole-job restart bumps (job_controller_actions.go killPods).
 GROUP_NAME_ANNOTATION = "scheduling.k8s.io/group-name"
 JOB_VERSION_ANNOTATION = "volcano.sh/job-version"
-# GPU jobs: a peer that stops answering fails the step after this long (the post-warm-up
-# process-group timeout; NCCL's watchdog then aborts the communicator).
-GPU_COLLECTIVE_TIMEOUT_S = 30
 
 
 def job_policies() -> list[dict]:
@@ -96,17 +93,6 @@ def _env(values: dict[str, str]) -> list[dict]:
     return [{"name": k, "value": str(v)} for k, v in sorted(values.items())]
 
 
-def _trainer_flags(spec: JobSpec, config: PlatformConfig) -> list[str]:
-    flags = [f"--config={spec.trainer_config}"] if spec.trainer_config else []
-    args = {**spec.trainer_args, "checkpoint.dir": spec.checkpoint_dir()}
-    args.setdefault("checkpoint.staging_dir", spec.staging_dir())
-    if spec.dataset_path:
-        args.setdefault("data.path", spec.dataset_path)
-    if spec.group(config).instance.accelerator is Accelerator.NVIDIA:
-        args.setdefault("distributed.timeout_s", GPU_COLLECTIVE_TIMEOUT_S)
-    return flags + [f"--{key}={_scalar(value)}" for key, value in args.items()]
-
-
 def spot_environment(group: AcceleratedNodeGroupConfig) -> dict[str, str]:
     """On Spot nodes the trainer watches the node's metadata for the two-minute interruption notice
     and checkpoints before the drain's SIGTERM (the launch template's hop limit 2 lets pods reach it)."""
@@ -122,16 +108,6 @@ def cache_environment(spec: JobSpec, config: PlatformConfig) -> dict[str, str]:
         # As AWS's Neuron samples on EKS do: the compile cache and the collectives' socket interface.
         return {"NEURON_CC_FLAGS": f"--cache_dir={cache}/neuron", "CCOM_SOCKET_IFNAME": "eth0"}
     return {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton"}
-
-
-def _scalar(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, dict)):
-        import json
-
-        return json.dumps(value)
-    return str(value)
 
 
 def _shared_volumes(memory_gib: int) -> tuple[list[dict], list[dict]]:
@@ -241,7 +217,7 @@ class TrainingJobChart(_VolcanoJobChart):
     """The elastic training job: ``torchrun ... -m training train <the spec's trainer args>``."""
 
     def __init__(self, scope: Construct, id: str, config: PlatformConfig, spec: JobSpec):
-        super().__init__(scope, id, config, spec, spec.name, ["train", *_trainer_flags(spec, config)])
+        super().__init__(scope, id, config, spec, spec.name, ["train", *spec.trainer_flags(config)])
 
 
 class NcclCheckChart(_VolcanoJobChart):

@@ -7,6 +7,7 @@ has, or min > max nodes each give one line naming the field.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Annotated, Any
@@ -14,13 +15,22 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationInfo, model_validator
 
 from config import AcceleratedNodeGroupConfig, PlatformConfig
-from typed_config import FieldProblem, StrictModel, read_yaml_mapping, validate
+from config.catalog import Accelerator
+from training.config import check_overrides
+from typed_config import ConfigError, FieldProblem, StrictModel, read_yaml_mapping, validate
 
 FSX_MOUNT = "/fsx"
+# GPU jobs: a peer that stops answering fails the step after this long (the post-warm-up
+# process-group timeout; NCCL's watchdog then aborts the communicator).
+GPU_COLLECTIVE_TIMEOUT_S = 30
+# Trainer settings the job spec owns: set through the spec's own fields.
+_OWNED_TRAINER_ARGS = {"checkpoint.dir": "checkpoint_path"}
 # Pod names are <job>-<task>-<index>; leave room for both within 63 characters.
 JobName = Annotated[str, Field(pattern=r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")]
+K8sName = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
 _PATTERN_HELP = {
     r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$": "lowercase letters, digits and '-', starting with a letter, at most 40",
+    r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$": "a Kubernetes name: lowercase letters, digits and '-', at most 63",
 }
 _IMAGE = re.compile(r"^[\w.-]+(:\d+)?(/[\w.-]+)+(:[\w][\w.-]{0,127}|@sha256:[0-9a-f]{64})$")
 
@@ -43,8 +53,8 @@ class JobSpec(StrictModel):
     dataset_path: str | None = None
     checkpoint_path: str | None = None  # default /fsx/checkpoints/<name>
     max_restarts: int = Field(default=100, ge=0)
-    queue: str | None = None  # default: the platform's queue
-    priority_class: str | None = None  # default: the platform's PriorityClass
+    queue: K8sName | None = None  # default: the platform's queue (trainctl submit checks the cluster has it)
+    priority_class: K8sName | None = None  # default: the platform's PriorityClass (likewise)
     env: dict[str, str] = {}
 
     @model_validator(mode="after")
@@ -52,6 +62,9 @@ class JobSpec(StrictModel):
         if not _IMAGE.match(self.image) or self.image.endswith(":latest"):
             raise FieldProblem("image", self.image, "an image pinned by tag or digest, e.g. "
                                "123456789012.dkr.ecr.us-west-2.amazonaws.com/trainer:gpu-0.1.0 (not :latest)")
+        if self.priority_class and self.priority_class.startswith("system-"):
+            raise FieldProblem("priority_class", self.priority_class, "the platform's PriorityClass or one of yours",
+                               "system- classes are reserved for the cluster's own critical pods")
         if self.min_nodes > self.max_nodes:
             raise FieldProblem("min_nodes", self.min_nodes, f"at most max_nodes ({self.max_nodes})")
         for field in ("dataset_path", "checkpoint_path"):
@@ -106,15 +119,54 @@ class JobSpec(StrictModel):
     def checkpoint_dir(self) -> str:
         return self.checkpoint_path or f"{FSX_MOUNT}/checkpoints/{self.name}"
 
+    def trainer_flags(self, config: PlatformConfig) -> list[str]:
+        """The trainer's command-line arguments in the job's pods: the user's trainer_args, plus
+        where this job keeps its checkpoints and data and how long a GPU peer may stay silent."""
+        flags = [f"--config={self.trainer_config}"] if self.trainer_config else []
+        args = {**self.trainer_args, "checkpoint.dir": self.checkpoint_dir()}
+        args.setdefault("checkpoint.staging_dir", self.staging_dir())
+        if self.dataset_path:
+            args.setdefault("data.path", self.dataset_path)
+        if self.group(config).instance.accelerator is Accelerator.NVIDIA:
+            args.setdefault("distributed.timeout_s", GPU_COLLECTIVE_TIMEOUT_S)
+        return flags + [f"--{key}={_flag_value(value)}" for key, value in args.items()]
+
     def staging_dir(self) -> str:
         """Where checkpoint files are written before their rename: on FSx, outside the S3-linked
         directories, so nothing half-written is exported."""
         return f"{FSX_MOUNT}/staging/{self.name}"
 
 
+def _flag_value(value: Any) -> str:
+    """A value as the trainer reads it back (one YAML scalar or flow collection)."""
+    if value is None or isinstance(value, (bool, list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+def _check_trainer_args(spec: JobSpec, config: PlatformConfig, source: str) -> None:
+    """The trainer's own config model judges the arguments the pods will run with, here, before
+    anything is rendered: a typo inside a pod would be retried by torchrun and Volcano for hours.
+    With a trainer_config file (inside the image, unreadable here) only the keys the job sets are
+    judged, and the rules that relate them to keys the file may set are left to the trainer."""
+    problems = []
+    for key, value in spec.trainer_args.items():
+        flat = {f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value}
+        for owned, field in _OWNED_TRAINER_ARGS.items():
+            if owned in flat:
+                problems.append(f"trainer_args.{owned}: got {json.dumps(flat[owned])} (the job spec sets it); "
+                                f"allowed: set {field} in the job spec instead")
+    problems += [f"trainer_args.{line}" for line in check_overrides(
+        spec.trainer_flags(config)[1 if spec.trainer_config else 0:], partial=spec.trainer_config is not None)]
+    if problems:
+        raise ConfigError(source, problems)
+
+
 def parse_job_spec(data: dict[str, Any], config: PlatformConfig, source: str = "job") -> JobSpec:
     """Validate a job spec mapping against the platform config. Raises ConfigError."""
-    return validate(JobSpec, data, source, _PATTERN_HELP, context={"platform": config})
+    spec = validate(JobSpec, data, source, _PATTERN_HELP, context={"platform": config})
+    _check_trainer_args(spec, config, source)
+    return spec
 
 
 def load_job_spec(path: str | Path, config: PlatformConfig) -> JobSpec:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from aws_cdk import CfnCondition, CfnOutput, Duration, Stack, aws_eks_v2 as eks, aws_kms as kms
+from aws_cdk import Annotations, CfnCondition, CfnOutput, Duration, Stack, aws_eks_v2 as eks, aws_kms as kms
 from aws_cdk.aws_lambda import CfnFunction
 from cdk8s import App as Cdk8sApp
 from constructs import Construct
@@ -15,9 +15,11 @@ from cdk_constructs.cluster_addons import ClusterAddons, ClusterAddonsProps
 from cdk_constructs.cluster_charts import ClusterCharts, ClusterChartsProps
 from cdk_constructs.efa_launch_template import EfaLaunchTemplate, EfaLaunchTemplateProps
 from cdk_constructs.nag import acknowledge
+from cdk_constructs.network import RETENTION_BY_DAYS
 from cdk_constructs.pod_identity import associate
+from cdk_constructs.training_dashboard import TrainingDashboard, TrainingDashboardProps
 from config import PlatformConfig
-from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE
+from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
 from k8s_charts.platform_charts import (
     TRAINER_SERVICE_ACCOUNT, EtcdChart, LustreVolumeValues, NamespacesChart, PlatformCheckChart,
     SchedulingChart, StorageChart, StorageClassChart, platform_check_name,
@@ -63,6 +65,12 @@ class ClusterStack(Stack):
             kubectl_provider_options=eks.KubectlProviderOptions(
                 kubectl_layer=kubectl_layer(self, config.cluster.kubernetes_version)),
         )
+        if "0.0.0.0/0" in config.cluster.endpoint_access_cidrs:
+            # Allowed (some teams rely on IAM alone) but seldom meant: say so at every synth.
+            Annotations.of(self.cluster).add_warning_v2(
+                "platform:endpoint-open-to-internet",
+                "cluster.endpoint_access_cidrs contains 0.0.0.0/0: the Kubernetes API endpoint accepts connections "
+                "from any address (IAM still authenticates); list your office or VPN ranges instead")
         for i, arn in enumerate(config.cluster.admin_principal_arns):
             self.cluster.grant_access(f"Admin{i}", arn, [eks.AccessPolicy.from_access_policy_name(
                 "AmazonEKSClusterAdminPolicy", access_scope_type=eks.AccessScopeType.CLUSTER)])
@@ -74,6 +82,21 @@ class ClusterStack(Stack):
             file_system_arn=self.format_arn(service="fsx", resource="file-system",
                                             resource_name=file_system.volume.file_system_id),
             monitoring=config.monitoring.enabled))
+
+        self.dashboard = None
+        if config.monitoring.enabled:
+            self.dashboard = TrainingDashboard(self, "Monitoring", TrainingDashboardProps(
+                cluster_name=config.name_prefix, jobs_namespace=config.jobs.namespace,
+                file_system_id=file_system.volume.file_system_id,
+                file_system_capacity_gib=config.fsx.storage_capacity_gib,
+                log_retention=RETENTION_BY_DAYS[config.monitoring.log_retention_days],
+                gpu_groups=tuple(g.name for g in config.accelerated_node_groups
+                                 if g.instance.accelerator is Accelerator.NVIDIA),
+                neuron_groups=tuple(g.name for g in config.accelerated_node_groups
+                                    if g.instance.accelerator is Accelerator.NEURON),
+                alarm_topic_arn=config.monitoring.alarm_topic_arn))
+            # Fluent Bit would create the log group on its first write, without a retention.
+            self.addons.observability.node.add_dependency(self.dashboard.application_logs)
 
         node_groups_sgs = [net.node_security_group.security_group_id, self.cluster.cluster_security_group_id]
         system = config.system_node_group

@@ -78,3 +78,12 @@ def test_unknown_model_is_one_clear_line():
     with pytest.raises(ValueError, match=r"model: got 'resnet51'; allowed: resnet18, .*bert_large"):
         build_model("resnet51")
     assert "efficientnet_b7" in MODEL_NAMES
+
+
+def test_the_torch_free_names_are_exactly_the_models_that_build():
+    from training.models.bert import BERT_SIZES
+    from training.models.efficientnet import SCALINGS
+    from training.models.resnet import RESNET_DEPTHS
+
+    assert set(MODEL_NAMES) == {*RESNET_DEPTHS, *SCALINGS, *BERT_SIZES, "mlp"}
+    assert len(MODEL_NAMES) == len(set(MODEL_NAMES))

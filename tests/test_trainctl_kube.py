@@ -40,12 +40,23 @@ RANK0_LOG = "\n".join([
 
 
 class FakeApiServer:
-    """Answers like the API server for the few endpoints trainctl uses; ``forbid`` answers 403 to everything."""
+    """Answers like the API server for the few endpoints trainctl uses.
+
+    ``fail = (status, message)`` answers every request with that Status. A deleted job stays
+    (terminating, its pods too) for ``deletion_polls`` more GETs, as foreground deletion does.
+    """
 
     def __init__(self):
         self.requests: list[tuple[str, str, str, dict | None]] = []
         self.jobs: dict[str, dict] = {}
-        self.forbid = False
+        self.fail: tuple[int, str] | None = None
+        self.deletion_polls = 0
+        self.terminating: dict[str, int] = {}
+        self.queues = {"training"}
+        self.priority_classes = {"training"}
+        self.events: list[dict] = []
+        self.pods_alive = True
+        self.phases: list[str] = []  # each GET of a job moves it to the next phase
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -65,23 +76,51 @@ class FakeApiServer:
                 body = json.loads(self.rfile.read(length)) if length else None
                 path = self.path.split("?")[0]
                 server.requests.append((method, self.path, self.headers.get("Authorization", ""), body))
-                if server.forbid:
-                    return self._send(403, {"kind": "Status", "code": 403, "message": "forbidden"})
+                if server.fail:
+                    code, message = server.fail
+                    return self._send(code, {"kind": "Status", "code": code, "message": message})
                 name = path.removeprefix(JOBS_PATH + "/") if path.startswith(JOBS_PATH + "/") else None
+                if name in server.terminating:
+                    server.terminating[name] -= 1
+                    if server.terminating[name] < 0:
+                        del server.terminating[name], server.jobs[name]
+                        server.pods_alive = False
+                queue = re.fullmatch(r"/apis/scheduling.volcano.sh/v1beta1/queues(?:/([^/]+))?", path)
+                if queue:
+                    if queue.group(1) is None:
+                        return self._send(200, {"items": [{"metadata": {"name": q}} for q in sorted(server.queues)]})
+                    found = queue.group(1) in server.queues
+                    return self._send(*((200, {"metadata": {"name": queue.group(1)}}) if found else
+                                         (404, {"kind": "Status", "code": 404})))
+                priority = re.fullmatch(r"/apis/scheduling.k8s.io/v1/priorityclasses/([^/]+)", path)
+                if priority:
+                    found = priority.group(1) in server.priority_classes
+                    return self._send(*((200, {"kind": "PriorityClass", "apiVersion": "scheduling.k8s.io/v1",
+                                               "metadata": {"name": priority.group(1)}, "value": 1000}) if found else
+                                         (404, {"kind": "Status", "code": 404})))
+                if path == "/api/v1/namespaces/training/events":
+                    return self._send(200, {"kind": "EventList", "apiVersion": "v1", "items": server.events})
                 if path == JOBS_PATH and method == "GET":
                     return self._send(200, {"items": list(server.jobs.values())})
                 if path == JOBS_PATH and method == "POST":
                     server.jobs[body["metadata"]["name"]] = {**body, "status": {"state": {"phase": "Pending"}}}
+                    server.pods_alive = True
                     return self._send(201, body)
                 if name and method == "GET":
+                    if name in server.jobs and server.phases:
+                        server.jobs[name]["status"] = {"state": {"phase": server.phases.pop(0)}}
                     return self._send(200, server.jobs[name]) if name in server.jobs else self._send(
                         404, {"kind": "Status", "code": 404})
                 if name and method == "DELETE":
-                    server.jobs.pop(name, None)
+                    if server.deletion_polls:
+                        server.terminating[name] = server.deletion_polls
+                    else:
+                        server.jobs.pop(name, None)
+                        server.pods_alive = False
                     return self._send(200, {"kind": "Status", "status": "Success"})
                 if path == "/api/v1/namespaces/training/pods":
                     return self._send(200, {"kind": "PodList", "apiVersion": "v1", "items": [
-                        pod(i) for i in range(2)]})
+                        pod(i) for i in range(2)] if server.pods_alive else []})
                 match = re.fullmatch(r"/api/v1/namespaces/training/pods/([\w-]+)/log", path)
                 if match:
                     text = RANK0_LOG if match.group(1).endswith("-0") else "worker log\n"
@@ -137,9 +176,11 @@ def test_an_existing_name_is_refused_unless_replace(api):
         jobs.submit(job)
     before = len(server.requests)
     jobs.submit(job, replace=True)
-    calls = [(m, p.split("?")[0].removeprefix(JOBS_PATH)) for m, p, *_ in server.requests[before:]]
+    calls = [(m, p.split("?")[0].removeprefix(JOBS_PATH)) for m, p, *_ in server.requests[before:]
+             if p.startswith(JOBS_PATH)]
+    # exists? -> cancel (exists? delete) -> gone? -> create
     assert calls == [("GET", "/resnet50-imagenet"), ("GET", "/resnet50-imagenet"), ("DELETE", "/resnet50-imagenet"),
-                     ("POST", "")]
+                     ("GET", "/resnet50-imagenet"), ("POST", "")]
 
 
 def test_status_shows_phase_pods_rendezvous_last_metrics_and_newest_checkpoint(api, snapshot):
@@ -166,12 +207,14 @@ def test_list_cancel_and_logs_by_rank(api):
 
 
 def test_a_missing_access_entry_is_one_line(api):
+    # EKS authenticates an identity without an access entry as nobody: 401, not 403.
     server, jobs = api
-    server.forbid = True
+    server.fail = (401, "Unauthorized")
     with pytest.raises(UserError) as caught:
         jobs.list()
-    assert str(caught.value) == ("the cluster refused this identity (HTTP 403); fix: add your role to "
-                                 "cluster.admin_principal_arns and redeploy, or ask for an access entry")
+    assert str(caught.value) == (
+        "the cluster does not know this identity (HTTP 401: no access entry, or an expired token); fix: add your "
+        "role to cluster.admin_principal_arns and redeploy, or ask for an access entry; check --profile")
 
 
 def test_render_golden(snapshot):

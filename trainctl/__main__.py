@@ -3,42 +3,111 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
+import time
 from pathlib import Path
 
 from config import DEFAULT_CONFIG, ConfigError
 from typed_config import exit_on_config_error
 
+CONFIG_ENV = "TRAINCTL_CONFIG"
+WATCH_INTERVAL_S = 10
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("eks-elastic-training-platform")
+    except PackageNotFoundError:
+        return "unknown (not installed; run `make synth`)"
+
+
+def _global_options(suppress: bool) -> argparse.ArgumentParser:
+    """--config, --profile and --context, accepted before or after the subcommand."""
+    default = (lambda value: argparse.SUPPRESS) if suppress else (lambda value: value)
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--config", default=default(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG),
+                         help=f"platform config (default ${CONFIG_ENV}, else {DEFAULT_CONFIG})")
+    options.add_argument("--profile", default=default(None), help="AWS profile (default: the usual credential chain)")
+    options.add_argument("--context", default=default(None),
+                         help="use this kubeconfig context instead of an EKS token")
+    return options
+
+
+def _duration_s(text: str) -> int:
+    """``90s``, ``10m``, ``2h`` or ``1d`` as seconds (argparse type for --since)."""
+    match = re.fullmatch(r"(\d+)([smhd])", text)
+    if not match or int(match.group(1)) == 0:
+        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: a positive duration such as 90s, 10m, 2h or 1d")
+    return int(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """A command-line mistake is one line, like every other trainctl error (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainctl", description=__doc__)
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"platform config (default {DEFAULT_CONFIG})")
-    parser.add_argument("--profile", help="AWS profile (default: the usual credential chain)")
-    parser.add_argument("--context", help="use this kubeconfig context instead of an EKS token")
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("preflight", help="check the account can run the config (read-only)")
-    stage = commands.add_parser("stage-data", help="upload a local dataset folder to the imported prefix")
+    parser = _OneLineParser(prog="trainctl", description=__doc__, parents=[_global_options(False)])
+    parser.add_argument("--version", action="version", version=f"trainctl {_version()}")
+    globals_after = [_global_options(True)]
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=text, description=text, parents=globals_after)
+
+    command("preflight", "check the account can run the config (read-only)")
+    stage = command("stage-data", "upload a local dataset folder to the imported prefix, in parallel and resumably")
     stage.add_argument("source", type=Path)
-    stage.add_argument("--under", default="", help="sub-path below the data prefix, e.g. imagenet/")
+    stage.add_argument("--under", default="", help="sub-path below the data prefix, e.g. imagenet/train")
+    stage.add_argument("--concurrency", type=int, default=64, help="files uploaded at once (default 64)")
     for name, text in (("render", "print the job's manifests"), ("submit", "apply the job to the cluster")):
-        command = commands.add_parser(name, help=text)
-        command.add_argument("job", type=Path)
-        command.add_argument("--nccl-check", action="store_true", help="the job's EFA/NCCL check instead")
+        sub = command(name, text)
+        sub.add_argument("job", type=Path)
+        sub.add_argument("--nccl-check", action="store_true", help="the job's EFA/NCCL check instead")
         if name == "submit":
-            command.add_argument("--replace", action="store_true", help="delete a job of the same name first")
-    for name, text in (("status", "phase, pods, rendezvous, last metrics, newest checkpoint"),
-                       ("cancel", "delete the job and its pods; checkpoints are kept")):
-        commands.add_parser(name, help=text).add_argument("name")
-    logs = commands.add_parser("logs", help="a worker's log")
+            sub.add_argument("--replace", action="store_true",
+                             help="delete a job of the same name first and wait until it is gone")
+            sub.add_argument("--wait", action="store_true", help="wait until the job ends; exit 0 if it completed")
+            sub.add_argument("--follow", action="store_true", help="then follow rank 0's log until the job ends")
+            sub.add_argument("--interval", type=float, default=WATCH_INTERVAL_S, help=argparse.SUPPRESS)
+    status = command("status", "phase, pods, why it waits, rendezvous, last metrics, newest checkpoint")
+    status.add_argument("name")
+    status.add_argument("--watch", action="store_true", help=f"refresh every {WATCH_INTERVAL_S} s until the job ends")
+    status.add_argument("--interval", type=float, default=WATCH_INTERVAL_S, help=argparse.SUPPRESS)
+    cancel = command("cancel", "delete a job and its pods; checkpoints are kept")
+    cancel.add_argument("name", nargs="?")
+    cancel.add_argument("--all", action="store_true", help="every job in the jobs namespace (asks first)")
+    cancel.add_argument("--yes", action="store_true", help="do not ask (scripts)")
+    logs = command("logs", "a worker's log")
     logs.add_argument("name")
     logs.add_argument("--rank", type=int, default=0)
+    logs.add_argument("--all", action="store_true", help="every worker's log, each line prefixed with its pod")
     logs.add_argument("--follow", "-f", action="store_true")
-    commands.add_parser("list", help="the jobs in the jobs namespace")
+    logs.add_argument("--previous", action="store_true", help="the container's previous run (after a restart)")
+    logs.add_argument("--since", type=_duration_s, help="only the last 90s, 10m, 2h, 1d")
+    checkpoints = command("checkpoints", "a job's checkpoints, as exported to S3")
+    checkpoints.add_argument("name")
+    command("list", "the jobs in the jobs namespace")
+    completion = commands.add_parser("completion", help="print a shell completion script",
+                                     description="eval \"$(trainctl completion bash)\" in ~/.bashrc, or zsh / tcsh")
+    completion.add_argument("shell", choices=("bash", "zsh", "tcsh"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "completion":  # needs no config
+        import shtab
+
+        print(shtab.complete(parser, shell=args.shell))
+        return 0
     try:
         from config import load_config
 
@@ -46,9 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, config)
     except ConfigError as exc:
         exit_on_config_error(exc)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     except Exception as exc:  # noqa: BLE001 - user mistakes become one line; real faults keep their traceback
+        from k8s_charts.node import NodeRuntimeMissing
         from trainctl.errors import UserError, from_aws
 
+        if isinstance(exc, NodeRuntimeMissing):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         error = exc if isinstance(exc, UserError) else from_aws(exc, getattr(args, "region", ""))
         if error is None:
             raise
@@ -71,51 +147,184 @@ def run(args, config) -> int:
         print(format_table(checks))
         return 0 if all(c.passed for c in checks) else 1
     if args.command == "stage-data":
-        from tqdm import tqdm
-
-        from trainctl.stage import stage_data
-
-        session = _session(args)
-        bucket, prefix = stack_outputs(session, config, "storage", "DataBucketName", "DataPrefix")
-        result = stage_data(args.source, session.client("s3", region_name=config.region), bucket,
-                            prefix + args.under, progress=tqdm)
-        print(f"uploaded {result.uploaded} files ({result.bytes_uploaded} bytes), skipped {result.skipped} "
-              f"already there; the file system imports them under /fsx{config.fsx.data_path}")
-        return 0
+        return stage(args, config)
+    if args.command == "checkpoints":
+        return list_checkpoints(args, config)
     from k8s_charts.job_spec import load_job_spec
     from trainctl.jobs import render, render_yaml
 
     if args.command == "render":
         print(render_yaml(render(config, load_job_spec(args.job, config), args.nccl_check)), end="")
         return 0
-    jobs = connect(args, config)
     if args.command == "submit":
         objects = render(config, load_job_spec(args.job, config), args.nccl_check)
+        jobs = connect(args, config)
         for obj in objects:
-            print(f"submitted {jobs.submit(obj, args.replace)} to {config.jobs.namespace}")
+            name = jobs.submit(obj, args.replace, on_wait=lambda n: _say(f"waiting until the old {n} is gone"))
+            print(f"submitted {name} to {config.jobs.namespace}")
+        if args.follow:
+            return follow(jobs, objects[-1]["metadata"]["name"], args.interval)
+        if args.wait:
+            return wait(jobs, objects[-1]["metadata"]["name"], args.interval)
         return 0
-    return watch(args, jobs)
+    if args.command == "cancel":
+        return cancel(args, connect(args, config))
+    return watch(args, connect(args, config))
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def stage(args, config) -> int:
+    from tqdm import tqdm
+
+    from trainctl.stage import stage_data, under_prefix
+
+    prefix = None
+    under = under_prefix(args.under)  # checked before any AWS call
+    if args.concurrency < 1 or args.concurrency > 512:
+        from trainctl.errors import UserError
+
+        raise UserError(f"--concurrency: got {args.concurrency}", "allowed: 1 to 512")
+    session = _session(args)
+    bucket, prefix = stack_outputs(session, config, "storage", "DataBucketName", "DataPrefix")
+    s3 = session.client("s3", region_name=config.region, config=_s3_pool(args.concurrency))
+    result = stage_data(args.source, s3, bucket, prefix + under, progress=tqdm, concurrency=args.concurrency)
+    print(f"uploaded {result.uploaded} files ({result.bytes_uploaded} bytes), skipped {result.skipped} "
+          f"already there; the file system imports them under /fsx{config.fsx.data_path}/{under}")
+    return 0
+
+
+def _s3_pool(concurrency: int):
+    from botocore.config import Config
+
+    # One connection per concurrent upload; botocore's default pool of 10 would serialize the rest.
+    return Config(max_pool_connections=concurrency, retries={"mode": "adaptive", "max_attempts": 10})
+
+
+def list_checkpoints(args, config) -> int:
+    from trainctl.errors import check_name
+
+    name = check_name("job name", args.name)
+    session = _session(args)
+    bucket, prefix = stack_outputs(session, config, "storage", "DataBucketName", "CheckpointPrefix")
+    s3 = session.client("s3", region_name=config.region)
+    found = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}{name}/"):
+        found += [obj for obj in page.get("Contents", []) if re.search(r"/step-\d{9}\.pt$", obj["Key"])]
+    if not found:
+        print(f"no checkpoints of {name} in s3://{bucket}/{prefix}{name}/ (the file system exports them within "
+              "minutes of each save)")
+        return 0
+    for obj in sorted(found, key=lambda o: o["Key"]):
+        print(f"s3://{bucket}/{obj['Key']}  {obj['Size'] / 2**20:,.1f} MiB  {obj['LastModified']:%Y-%m-%d %H:%M:%S %Z}")
+    return 0
+
+
+def cancel(args, jobs) -> int:
+    from trainctl.errors import UserError
+
+    if args.all == (args.name is not None):
+        raise UserError(f"cancel: got {'both a name and --all' if args.all else 'neither a name nor --all'}",
+                        "allowed: `trainctl cancel NAME`, or `trainctl cancel --all` for every job")
+    if not args.all:
+        jobs.cancel(args.name)
+        print(f"cancelled {args.name}; checkpoints stay on the file system and in S3")
+        return 0
+    names = [job["metadata"]["name"] for job in jobs.list()]
+    if not names:
+        print(f"no jobs in {jobs.namespace}")
+        return 0
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UserError(f"cancel --all would delete {len(names)} jobs in {jobs.namespace} and nobody can confirm",
+                            "run it in a terminal, or add --yes")
+        answer = input(f"delete {len(names)} jobs in {jobs.namespace} ({', '.join(names)})? "
+                       f"type the namespace to confirm: ")
+        if answer.strip() != jobs.namespace:
+            print("nothing deleted")
+            return 1
+    for name in names:  # one DELETE per named job, never one on the collection
+        jobs.cancel(name)
+        print(f"cancelled {name}")
+    print("checkpoints stay on the file system and in S3")
+    return 0
+
+
+def wait(jobs, name: str, interval_s: float = WATCH_INTERVAL_S) -> int:
+    """Until the job ends, saying each change of phase and why it waits; 0 if it completed."""
+    from trainctl.jobs import status
+
+    said = None
+    while True:
+        report = status(jobs, name)
+        line = f"{name}: {report.phase}" + (f" ({report.waiting[-1]})" if report.waiting else "")
+        if line != said:
+            _say(line)
+            said = line
+        if report.finished:
+            return 0 if report.phase == "Completed" else 1
+        time.sleep(interval_s)
+
+
+def follow(jobs, name: str, interval_s: float = WATCH_INTERVAL_S) -> int:
+    """Rank 0's log from when its pod runs until the job ends (again after each restart of the pod)."""
+    from trainctl.jobs import status
+
+    pod = f"{name}-worker-0"
+    while True:
+        report = status(jobs, name)
+        if report.finished:
+            _say(f"{name}: {report.phase}")
+            return 0 if report.phase == "Completed" else 1
+        if any(row[0] == pod and row[2] == "Running" for row in report.pods):
+            for chunk in jobs.log(pod, follow=True).stream():
+                sys.stdout.write(chunk.decode(errors="replace"))
+            continue
+        _say(f"{name}: {report.phase}" + (f" ({report.waiting[-1]})" if report.waiting else ""))
+        time.sleep(interval_s)
 
 
 def watch(args, jobs) -> int:
     from trainctl.jobs import pod_for_rank, status
 
     if args.command == "status":
-        print(status(jobs, args.name).format())
-    elif args.command == "cancel":
-        jobs.cancel(args.name)
-        print(f"cancelled {args.name}; checkpoints stay on the file system and in S3")
+        while True:
+            report = status(jobs, args.name)
+            if args.watch and sys.stdout.isatty():
+                print("\033[H\033[J", end="")  # clear the screen, as `watch` does
+            print(report.format(), flush=True)
+            if not args.watch or report.finished:
+                return 0
+            time.sleep(args.interval)
+            if not sys.stdout.isatty():
+                print()
     elif args.command == "list":
         for job in jobs.list():
             state = (job.get("status") or {}).get("state", {}).get("phase", "Pending")
             print(f"{job['metadata']['name']:<40} {state}")
     elif args.command == "logs":
-        pod = pod_for_rank(jobs, args.name, args.rank)
-        if args.follow:
-            for chunk in jobs.log(pod, follow=True).stream():
-                sys.stdout.write(chunk.decode(errors="replace"))
-        else:
-            print(jobs.log(pod), end="")
+        options = {"previous": args.previous, "since_s": args.since}
+        pods = sorted(p.metadata.name for p in jobs.pods(args.name)) if args.all else [
+            pod_for_rank(jobs, args.name, args.rank)]
+        if args.all and not pods:
+            from trainctl.errors import UserError
+
+            raise UserError(f"job {args.name!r} has no pods", "see `trainctl status " + args.name + "`")
+        if args.all and args.follow:
+            from trainctl.errors import UserError
+
+            raise UserError("logs: got --all with --follow", "allowed: --follow with one --rank")
+        for pod in pods:
+            if args.follow:
+                for chunk in jobs.log(pod, follow=True, **options).stream():
+                    sys.stdout.write(chunk.decode(errors="replace"))
+            elif args.all:
+                for line in jobs.log(pod, **options).splitlines():
+                    print(f"[{pod}] {line}")
+            else:
+                print(jobs.log(pod, **options), end="")
     return 0
 
 

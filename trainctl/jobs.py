@@ -3,26 +3,37 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 import yaml
-from cdk8s import App
 
 from config import PlatformConfig
-from k8s_charts.job_charts import NcclCheckChart, TrainingJobChart
-from k8s_charts.job_spec import JobSpec
-from k8s_charts.render import manifests
 from config.catalog import Accelerator
-from trainctl.errors import UserError
+from k8s_charts.job_spec import JobSpec
+from trainctl.errors import UserError, check_name, from_kube
 
 GROUP, VERSION, PLURAL = "batch.volcano.sh", "v1alpha1", "jobs"
+QUEUES = ("scheduling.volcano.sh", "v1beta1", "queues")
 JOB_LABEL = "volcano.sh/job-name"
+# Volcano's job phases that do not change any more (pkg/apis/batch/v1alpha1 JobPhase).
+FINISHED_PHASES = ("Completed", "Failed", "Terminated", "Aborted")
 
 
 def render(config: PlatformConfig, spec: JobSpec, nccl_check: bool = False) -> list[dict]:
+    """The job's manifests. cdk8s runs on Node (found or named by k8s_charts.node); the other
+    commands don't need it."""
     if nccl_check and spec.group(config).instance.accelerator is not Accelerator.NVIDIA:
         raise UserError(f"--nccl-check: node group {spec.node_group} is Trainium, whose collectives run through the "
                         "Neuron runtime, not NCCL; allowed: a job on a GPU node group")
+    from k8s_charts.node import select_node
+
+    select_node()
+    from cdk8s import App
+
+    from k8s_charts.job_charts import NcclCheckChart, TrainingJobChart
+    from k8s_charts.render import manifests
+
     app = App()
     chart = NcclCheckChart if nccl_check else TrainingJobChart
     chart(app, "job", config, spec)
@@ -34,46 +45,80 @@ def render_yaml(objects: list[dict]) -> str:
 
 
 class Jobs:
-    """The jobs of the platform's namespace, through one kubernetes ApiClient."""
+    """The jobs of the platform's namespace, through one kubernetes ApiClient.
 
-    def __init__(self, api_client, namespace: str):
+    Every name is checked before it reaches a URL: an empty one would address the collection.
+    """
+
+    def __init__(self, api_client, namespace: str, clock=time.monotonic, sleep=time.sleep):
         from kubernetes import client
 
         self.custom = client.CustomObjectsApi(api_client)
         self.core = client.CoreV1Api(api_client)
-        self.namespace = namespace
+        self.scheduling = client.SchedulingV1Api(api_client)
+        self.namespace = check_name("namespace", namespace)
+        self.server = api_client.configuration.host
+        self._clock, self._sleep = clock, sleep
 
     def _call(self, fn, *args, **kwargs):
-        from kubernetes.client.exceptions import ApiException
-
         try:
             return fn(*args, **kwargs)
-        except ApiException as exc:
-            if exc.status in (401, 403):
-                raise UserError(f"the cluster refused this identity (HTTP {exc.status})",
-                                "add your role to cluster.admin_principal_arns and redeploy, or ask for an access "
-                                "entry") from None
-            raise
+        except Exception as exc:  # noqa: BLE001 - API and transport errors users cause become one line
+            error = from_kube(exc, self.server)
+            if error is None:
+                raise
+            raise error from None
 
-    def get(self, name: str) -> dict | None:
+    def _get(self, fn, *args):
+        """The object, or None when the API server answers 404."""
         from kubernetes.client.exceptions import ApiException
 
         try:
-            return self._call(self.custom.get_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL, name)
+            return fn(*args)
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
 
-    def submit(self, job: dict, replace: bool = False) -> str:
-        name = job["metadata"]["name"]
+    def get(self, name: str) -> dict | None:
+        check_name("job name", name)
+        return self._call(self._get, self.custom.get_namespaced_custom_object, GROUP, VERSION, self.namespace,
+                          PLURAL, name)
+
+    def submit(self, job: dict, replace: bool = False, on_wait=None) -> str:
+        name = check_name("job name", job["metadata"]["name"])
+        self.check_scheduling(job)
         if self.get(name) is not None:
             if not replace:
                 raise UserError(f"job {name!r} already exists in {self.namespace}",
                                 "choose another name, or pass --replace to delete it first (checkpoints are kept)")
             self.cancel(name)
+            self.wait_gone(name, on_wait)
         self._call(self.custom.create_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL, job)
         return name
+
+    def check_scheduling(self, job: dict) -> None:
+        """The job's queue and PriorityClass exist in the cluster (Volcano would leave it Pending forever)."""
+        spec = job.get("spec", {})
+        queue, priority = spec.get("queue"), spec.get("priorityClassName")
+        if queue and self._call(self._get, self.custom.get_cluster_custom_object, *QUEUES, queue) is None:
+            names = [q["metadata"]["name"] for q in self._call(self.custom.list_cluster_custom_object, *QUEUES)["items"]]
+            raise UserError(f"queue: got {queue!r}, which the cluster does not have",
+                            f"allowed: {', '.join(sorted(names)) or 'none (deploy the platform)'}")
+        if priority and self._call(self._get, self.scheduling.read_priority_class, priority) is None:
+            raise UserError(f"priority_class: got {priority!r}, which the cluster does not have",
+                            "allowed: the platform's (jobs.priority_class.name) or one your cluster defines")
+
+    def wait_gone(self, name: str, on_wait=None, timeout_s: float = 600, poll_s: float = 2) -> None:
+        """Until the job and its pods are deleted (a new job of the same name must not meet its pods)."""
+        deadline = self._clock() + timeout_s
+        while self.get(name) is not None or self.pods(name):
+            if self._clock() > deadline:
+                raise UserError(f"job {name!r} is still being deleted after {timeout_s:.0f} s",
+                                "see `trainctl status` for pods that do not terminate, then retry")
+            if on_wait is not None:
+                on_wait(name)
+            self._sleep(poll_s)
 
     def cancel(self, name: str) -> None:
         """Delete the Volcano job and its pods; checkpoints on the file system stay."""
@@ -87,13 +132,35 @@ class Jobs:
                           PLURAL)["items"]
 
     def pods(self, name: str) -> list:
+        check_name("job name", name)
         return self._call(self.core.list_namespaced_pod, self.namespace, label_selector=f"{JOB_LABEL}={name}").items
 
-    def log(self, pod: str, tail: int | None = None, follow: bool = False):
+    def why_waiting(self, name: str, limit: int = 5) -> list[str]:
+        """The newest warnings about the job's pods and PodGroup (e.g. Volcano's "0/3 nodes are
+        available: 3 Insufficient nvidia.com/gpu"), oldest first, repeats folded."""
+        check_name("job name", name)
+        events = self._call(self.core.list_namespaced_event, self.namespace).items
+        mine = [e for e in events if e.type == "Warning" and (e.involved_object.name or "").startswith(f"{name}-")]
+        mine.sort(key=lambda e: e.last_timestamp or e.event_time or e.metadata.creation_timestamp or 0)
+        lines: list[str] = []
+        for event in reversed(mine):
+            line = f"{event.involved_object.kind} {event.involved_object.name}: {event.reason}: " + " ".join(
+                (event.message or "").split())
+            if line not in lines:
+                lines.append(line)
+            if len(lines) == limit:
+                break
+        return lines[::-1]
+
+    def log(self, pod: str, tail: int | None = None, follow: bool = False, previous: bool = False,
+            since_s: int | None = None):
+        check_name("pod", pod)
+        options = {"tail_lines": tail, "previous": previous or None, "since_seconds": since_s}
+        options = {k: v for k, v in options.items() if v is not None}
         if follow:
             return self._call(self.core.read_namespaced_pod_log, pod, self.namespace, follow=True,
-                              _preload_content=False)
-        return self._call(self.core.read_namespaced_pod_log, pod, self.namespace, tail_lines=tail)
+                              _preload_content=False, **options)
+        return self._call(self.core.read_namespaced_pod_log, pod, self.namespace, **options)
 
 
 @dataclass
@@ -104,6 +171,11 @@ class JobStatus:
     rendezvous: dict | None
     last_step: dict | None
     checkpoint: dict | None
+    waiting: list[str]
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in FINISHED_PHASES
 
     def format(self) -> str:
         lines = [f"job {self.name}: {self.phase}", "pods:"]
@@ -119,6 +191,8 @@ class JobStatus:
                          f"{s['samples_per_s']} samples/s, {s['step_time_s']} s/step")
         if self.checkpoint:
             lines.append(f"newest checkpoint: {self.checkpoint['path']} (step {self.checkpoint['step']})")
+        if self.waiting:
+            lines += ["waiting because:", *(f"  {line}" for line in self.waiting)]
         return "\n".join(lines)
 
 
@@ -139,7 +213,9 @@ def status(jobs: Jobs, name: str, tail: int = 2000) -> JobStatus:
         return next((e for e in reversed(events) if e["event"] == kind), None)
 
     phase = (job.get("status") or {}).get("state", {}).get("phase", "Pending")
-    return JobStatus(name, phase, rows, last("rendezvous"), last("step"), last("checkpoint_saved"))
+    pending = phase == "Pending" or any(row[2] == "Pending" for row in rows)
+    waiting = jobs.why_waiting(name) if pending else []
+    return JobStatus(name, phase, rows, last("rendezvous"), last("step"), last("checkpoint_saved"), waiting)
 
 
 def metrics_events(log_text: str) -> list[dict]:

@@ -33,9 +33,10 @@ def api_client(session, cluster_name: str, region: str, context: str | None = No
     """A kubernetes ApiClient for the cluster (or for ``context`` from the kubeconfig)."""
     from kubernetes import client, config as kubeconfig
 
-    if context:
-        return kubeconfig.new_client_from_config(context=context)
     from trainctl.errors import UserError
+
+    if context:
+        return _context_client(context)
 
     eks = session.client("eks", region_name=region)
     try:
@@ -51,3 +52,25 @@ def api_client(session, cluster_name: str, region: str, context: str | None = No
     configuration.ssl_ca_cert = ca.name
     configuration.api_key = {"authorization": "Bearer " + eks_token(session, cluster_name, region)}
     return client.ApiClient(configuration)
+
+
+def _context_client(context: str):
+    """A client for a kubeconfig context, or one line naming what is missing."""
+    import os
+
+    from kubernetes import config as kubeconfig
+    from kubernetes.config.config_exception import ConfigException
+
+    from trainctl.errors import UserError
+
+    where = os.environ.get("KUBECONFIG") or "~/.kube/config"
+    try:
+        contexts, _ = kubeconfig.list_kube_config_contexts()
+    except ConfigException:
+        raise UserError(f"--context {context}: no kubeconfig at {where}",
+                        "run `aws eks update-kubeconfig --name <name_prefix> --region <region>`, or leave out "
+                        "--context to use an EKS token") from None
+    names = sorted(c["name"] for c in contexts)
+    if context not in names:
+        raise UserError(f"--context: got {context!r}, which {where} does not have", f"allowed: {', '.join(names)}")
+    return kubeconfig.new_client_from_config(context=context)

@@ -19,8 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="train (or resume) under torchrun; extra --section.key=value override the config")
+    train = commands.add_parser(
+        "train", help="train (or resume) under torchrun; extra --section.key=value override the config",
+        description="Train, or resume from the newest checkpoint in checkpoint.dir. Settings come from --config "
+                    "(a YAML file of sections) and then from --section.key=value overrides.",
+        epilog="config keys (with their defaults):\n" + "\n".join(_config_keys()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--config", help="YAML trainer config (defaults apply when omitted)")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
 
     bench = commands.add_parser("bench", help="throughput of the trainer against a bare training loop, one process")
     bench.add_argument("--config", help="YAML trainer config; extra --section.key=value override it")
@@ -61,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         return _usage_status()
 
 
+def _config_keys() -> list[str]:
+    from training.config import describe_keys
+
+    return describe_keys()
+
+
 def _say(lines: str) -> None:
     """One write of whole lines: the ranks of a node share stderr, and their lines must not interleave."""
     sys.stderr.flush()
@@ -93,9 +105,15 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     from training.config import load_train_config
 
     if args.command == "train":
+        config = load_train_config(args.config, extra)
+        if args.print_config:
+            import yaml
+
+            print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+            return 0
         from training.trainer import train
 
-        train(load_train_config(args.config, extra))
+        train(config)
         return 0
     if args.command == "bench":
         from training.bench import compare_with_bare_loop

@@ -6,14 +6,15 @@ Unknown keys and bad values are one line each, naming the field and what is allo
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from training.models import IMAGE_MODELS, MASKED_LM_MODELS, MODEL_NAMES
-from typed_config import ConfigError, FieldProblem, StrictModel, read_yaml_mapping, show, validate
+from training.model_names import IMAGE_MODELS, MASKED_LM_MODELS, MODEL_NAMES
+from typed_config import ConfigError, FieldProblem, StrictModel, format_errors, read_yaml_mapping, show, validate
 
 Positive = Field(gt=0)
 
@@ -108,6 +109,10 @@ class DistributedSection(StrictModel):
 
 
 class MetricsSection(StrictModel):
+    # What rank 0 prints: a progress line per report for people (auto: when stdout is a
+    # terminal), or JSON lines for machines (auto: otherwise, e.g. in a pod). jsonl_path always
+    # gets JSON lines.
+    stdout: Literal["auto", "progress", "json"] = "auto"
     jsonl_path: str | None = None
     tensorboard_dir: str | None = None
     # Debugging and tests: each rank appends the sample ids of every micro-batch here.
@@ -177,3 +182,48 @@ def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> Tra
         data = _merge(data, parse_overrides(list(overrides)))
         source += " + command line"
     return validate(TrainConfig, data, source)
+
+
+def check_overrides(overrides: list[str], partial: bool = False) -> list[str]:
+    """The problems of ``--section.key=value`` overrides, one line each (empty when they are fine).
+
+    ``partial``: a config file the caller cannot read comes with them, so only the keys given here
+    are judged, each by its own type and bounds and by the rules of its section; a rule that
+    spans sections (model against data kind) may be met by the file and is left to the trainer.
+    """
+    try:
+        data = parse_overrides(overrides)
+    except ConfigError as exc:
+        return exc.problems
+    try:
+        TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        given = {".".join(path) for path in _leaf_paths(data)}
+
+        def judged(path: str, loc: tuple) -> bool:
+            return loc != () and any(key == path or key.startswith(path + ".") for key in given)
+
+        return format_errors(exc, TrainConfig, {}, judged if partial else None)
+    return []
+
+
+def _leaf_paths(data: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    paths = []
+    for key, value in data.items():
+        path = (*prefix, str(key))
+        paths += _leaf_paths(value, path) if isinstance(value, dict) and value else [path]
+    return paths
+
+
+def describe_keys() -> list[str]:
+    """Every config key as ``--section.key=DEFAULT``, with its choices: for ``train --help``."""
+    lines = []
+    for section_name, section in TrainConfig.model_fields.items():
+        for key, field in section.annotation.model_fields.items():
+            default = yaml.safe_dump(field.default, default_flow_style=True).strip().removesuffix("...").strip()
+            choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is Literal else ()
+            if (section_name, key) == ("model", "name"):
+                choices = MODEL_NAMES
+            hint = f"  ({' | '.join(choices)})" if choices else ""
+            lines.append(f"  --{section_name}.{key}={default}{hint}")
+    return lines

@@ -83,12 +83,25 @@ class StopRequest:
 
     def _handle(self, signum, _frame) -> None:
         global _received_signal
+        if signum == signal.SIGINT and self.training:
+            # Ctrl-C in a terminal: the first checkpoints and stops, a second one exits at once.
+            if self._event.is_set():
+                _tell_the_terminal("second Ctrl-C: exiting now, without a checkpoint")
+                os._exit(128 + signum)
+            _tell_the_terminal("Ctrl-C: saving a checkpoint at the end of this step, then stopping "
+                               "(Ctrl-C again exits at once)")
         self.signal_name = _received_signal = signal.Signals(signum).name
         self._event.set()
 
     @property
     def requested(self) -> bool:
         return self._event.is_set()
+
+
+def _tell_the_terminal(line: str) -> None:
+    """From a signal handler (os.write: print could re-enter a write in progress); rank 0 only."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, f"{line}\n".encode())
 
 
 _current_request: StopRequest | None = None

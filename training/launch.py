@@ -207,6 +207,8 @@ def _trainer_config(argv: list[str]):
             config_path = next(rest, None)
         elif arg.startswith("--config="):
             config_path = arg.split("=", 1)[1]
+        elif arg == "--print-config":
+            continue
         else:
             overrides.append(arg)
     try:

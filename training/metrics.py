@@ -30,10 +30,16 @@ def training_flops_per_sample(step_fn: Callable[[], None], samples: int) -> floa
 
 
 class MetricsWriter:
-    """Writes what rank 0 reports to stdout (JSON lines), a JSONL file and TensorBoard, as configured."""
+    """Writes what rank 0 reports to stdout, a JSONL file and TensorBoard, as configured.
 
-    def __init__(self, enabled: bool, jsonl_path: str | None, tensorboard_dir: str | None):
+    stdout gets JSON lines, or with ``progress`` a line per report that people read (step/total,
+    %, ETA, samples/s, loss) and a summary at the end; the JSONL file always gets JSON lines.
+    """
+
+    def __init__(self, enabled: bool, jsonl_path: str | None, tensorboard_dir: str | None, progress: bool = False):
         self.enabled = enabled
+        self.progress = progress
+        self.total_steps: int | None = None  # for % and ETA; set by the trainer once it knows its plan
         self._file = None
         self._tensorboard = None
         self._lock = threading.Lock()  # the checkpoint writer thread reports too
@@ -62,8 +68,10 @@ class MetricsWriter:
         if not self.enabled:
             return
         line = json.dumps(record, default=_plain)
+        shown = human_line(record, self.total_steps) if self.progress else line
         with self._lock:
-            print(line, file=sys.stdout, flush=True)
+            if shown is not None:
+                print(shown, file=sys.stdout, flush=True)
             if self._file is not None and not self._file.closed:
                 self._file.write(line + "\n")
 
@@ -73,6 +81,59 @@ class MetricsWriter:
                 self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def stdout_is_for_people(choice: str) -> bool:
+    """metrics.stdout: progress, json, or auto (progress on a terminal)."""
+    return choice == "progress" or (choice == "auto" and sys.stdout.isatty())
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def human_line(record: dict[str, Any], total_steps: int | None) -> str | None:
+    """One event as a line for people, or None for events only machines need."""
+    kind, r = record["event"], record
+    if kind == "step":
+        step = r["step"]
+        parts = [f"step {step:,}" + (f"/{total_steps:,} {100 * step / total_steps:5.1f}%" if total_steps else "")]
+        if total_steps and r.get("step_time_s"):
+            parts.append(f"ETA {_duration(max(0, total_steps - step) * r['step_time_s'])}")
+        parts.append(f"{r['samples_per_s']:,.0f} samples/s")
+        parts.append(f"loss {r['loss']:.4f}")
+        if r.get("data_wait_pct"):
+            parts.append(f"data wait {r['data_wait_pct']:.0f}%")
+        return "  ".join(parts)
+    if kind == "rendezvous":
+        return (f"{r['world_size']} worker(s) on {r.get('device', '?')}, global batch {r['global_batch']}"
+                + (f", restart {r['restart_count']}" if r.get("restart_count") else ""))
+    if kind == "start":
+        return "starting from step 0"
+    if kind == "resume":
+        return f"resuming from step {r['step']:,}" + (f" ({r['checkpoint']})" if r.get("checkpoint") else "")
+    if kind == "checkpoint_saved":
+        return f"checkpoint saved: step {r['step']:,}, {r['bytes'] / 2**20:,.0f} MiB in {r['write_s']:.1f} s"
+    if kind in ("finished", "stop"):
+        how = "finished" if kind == "finished" else f"stopped ({r.get('signal') or 'a peer stopped'})"
+        line = f"{how} at step {r['step']:,}"
+        if r.get("elapsed_s") is not None:
+            line += f" after {_duration(r['elapsed_s'])}"
+        if r.get("samples_per_s"):
+            line += f", {r['samples_per_s']:,.0f} samples/s on average"
+        if r.get("loss") is not None:
+            line += f", loss {r['loss']:.4f}"
+        if r.get("checkpoint"):
+            line += f"; newest checkpoint {r['checkpoint']}"
+        if r.get("bad_samples"):
+            line += f"; {r['bad_samples']} bad samples skipped"
+        return line + ("; the same command resumes it" if kind == "stop" else "")
+    if kind == "checkpoint_started":
+        return None
+    rest = {k: v for k, v in r.items() if k not in ("event", "time")}
+    return f"{kind}: {json.dumps(rest, default=_plain)}"
 
 
 def _plain(value: Any) -> Any:

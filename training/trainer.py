@@ -31,7 +31,7 @@ from training.config import TrainConfig
 from training.data import DataError, build_dataset, build_loader
 from training.device import Runtime, detect, move
 from training.launch import EXIT_MEMBERSHIP_CHANGE, STOP_BUDGET_ENV
-from training.metrics import MetricsWriter, training_flops_per_sample
+from training.metrics import MetricsWriter, stdout_is_for_people, training_flops_per_sample
 from training.models import IMAGE_MODELS, build_model
 from training.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
 
@@ -112,7 +112,8 @@ class Trainer:
         self.distributed = dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
-        self.metrics = MetricsWriter(self.rank == 0, config.metrics.jsonl_path, config.metrics.tensorboard_dir)
+        self.metrics = MetricsWriter(self.rank == 0, config.metrics.jsonl_path, config.metrics.tensorboard_dir,
+                                     progress=stdout_is_for_people(config.metrics.stdout))
 
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
         self.module = build_model(config.model.name, config.model.num_classes, config.model.image_size)
@@ -304,6 +305,8 @@ class Trainer:
             step=self.progress.step, epoch=self.progress.epoch, offset=self.progress.offset, **self._resume_event,
         )
         flops_per_sample = self._count_flops() if self.rank == 0 else None
+        self.metrics.total_steps = cfg.train.max_steps or cfg.train.epochs * self.plan.steps_per_epoch
+        loop_started, first_step = time.perf_counter(), self.progress.step
         self.stop.training = True  # from here a stop signal checkpoints at the end of the step
         if self.stop.requested:
             log.warning("stop requested during startup")
@@ -352,9 +355,14 @@ class Trainer:
             if self._saved_step != self.progress.step:
                 self._save(synchronous=True, reason="finished")
         self.checkpoints.wait()
+        elapsed = time.perf_counter() - loop_started
+        newest = self.checkpoints.steps()
         self.metrics.event("stop" if stopped else "finished", step=self.progress.step,
                            signal=self.stop.signal_name, by_peer=stopped and not self.stop.requested,
-                           bad_samples=self.progress.bad_samples)
+                           bad_samples=self.progress.bad_samples, elapsed_s=round(elapsed, 3),
+                           samples_per_s=round((self.progress.step - first_step) * self.global_batch / elapsed, 2)
+                           if elapsed else None, loss=last_loss,
+                           checkpoint=str(self.checkpoints.path(newest[-1])) if newest else None)
         self.metrics.close()
         if self.sample_log:
             self.sample_log.close()

@@ -97,13 +97,25 @@ def exit_on_config_error(exc: ConfigError, label: str = "config error") -> typin
     raise SystemExit(2) from None
 
 
-def format_errors(exc: ValidationError, root: type[BaseModel], pattern_help: dict[str, str]) -> list[str]:
+def format_errors(exc: ValidationError, root: type[BaseModel], pattern_help: dict[str, str],
+                  keep: typing.Callable[[str, tuple], bool] | None = None) -> list[str]:
+    """One line per mistake. ``keep(path, loc)`` can drop some: ``path`` is the dotted path of the
+    field at fault, ``loc`` the model that found it (``()``: a rule of the root model)."""
     lines: list[str] = []
     for err in exc.errors():
+        if keep is not None and not keep(*_where(err)):
+            continue
         line = _format_one(err, root, pattern_help)
         if line not in lines:
             lines.append(line)
     return lines
+
+
+def _where(err: dict[str, Any]) -> tuple[str, tuple]:
+    problem = (err.get("ctx") or {}).get("error")
+    if isinstance(problem, FieldProblem):
+        return (_path(err["loc"]) + _join_field(problem.field) if err["loc"] else problem.field), err["loc"]
+    return _path(err["loc"]), err["loc"]
 
 
 def _format_one(err: dict[str, Any], root: type[BaseModel], pattern_help: dict[str, str]) -> str:

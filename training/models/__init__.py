@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from training.model_names import IMAGE_MODELS, MASKED_LM_MODELS, MODEL_NAMES
 from training.models.bert import BERT_SIZES, bert
 from training.models.efficientnet import SCALINGS, efficientnet
 from training.models.mlp import MLPClassifier
 from training.models.resnet import RESNET_DEPTHS, resnet
 
-IMAGE_MODELS = (*RESNET_DEPTHS, *SCALINGS, "mlp")
-MASKED_LM_MODELS = tuple(BERT_SIZES)
-MODEL_NAMES = IMAGE_MODELS + MASKED_LM_MODELS
+__all__ = ["IMAGE_MODELS", "MASKED_LM_MODELS", "MODEL_NAMES", "build_model", "parameter_count"]
 
 
 def build_model(name: str, num_classes: int = 1000, image_size: int = 224) -> nn.Module:

@@ -1,0 +1,101 @@
+"""trainctl for people (issue 17, item 7): wait, follow and watch a job, every worker's log,
+earlier runs and recent lines, a job's checkpoints, --version, $TRAINCTL_CONFIG, options after the
+subcommand, shell completion. Against the loopback API server, as users run it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import urllib.parse
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from tests.conftest import REPO
+from tests.test_operator_safety import cli, kubeconfig, server  # noqa: F401 - fixtures
+from tests.test_trainctl_kube import CONFIG, JOBS_PATH
+
+JOB = "k8s_charts/examples/resnet50-p4d.yaml"
+
+
+def queries(server, suffix: str) -> list[dict]:
+    return [urllib.parse.parse_qs(urllib.parse.urlsplit(path).query) for method, path, *_ in server.requests
+            if urllib.parse.urlsplit(path).path.endswith(suffix)]
+
+
+def test_submit_wait_returns_when_the_job_ends_with_its_outcome(cli, server):
+    server.phases = ["Pending", "Running", "Running", "Completed"]
+    code, out, err = cli("submit", JOB, "--wait", "--interval", "0.01", "--context", "lab")
+    assert code == 0 and "submitted resnet50-imagenet" in out
+    assert [line.split(": ", 1)[1].split(" (")[0] for line in err.splitlines()] == ["Pending", "Running", "Completed"]
+    server.jobs.clear()
+    server.phases = ["Running", "Failed"]
+    assert cli("submit", JOB, "--wait", "--interval", "0.01", "--context", "lab")[0] == 1
+
+
+def test_submit_follow_streams_rank_0s_log_until_the_job_ends(cli, server):
+    server.phases = ["Running", "Completed"]
+    code, out, _ = cli("submit", JOB, "--follow", "--interval", "0.01", "--context", "lab")
+    assert code == 0 and '"event": "checkpoint_saved"' in out
+    assert any(q.get("follow", [""])[0].lower() == "true" for q in queries(server, "/pods/resnet50-imagenet-worker-0/log"))
+
+
+def test_status_watch_refreshes_until_the_job_ends(cli, server):
+    cli("submit", JOB, "--context", "lab")
+    server.phases = ["Running", "Running", "Completed"]
+    code, out, _ = cli("status", "resnet50-imagenet", "--watch", "--interval", "0.01", "--context", "lab")
+    assert code == 0
+    assert [line for line in out.splitlines() if line.startswith("job ")] == [
+        "job resnet50-imagenet: Running", "job resnet50-imagenet: Running", "job resnet50-imagenet: Completed"]
+
+
+def test_logs_of_every_worker_of_an_earlier_run_and_of_recent_minutes(cli, server):
+    cli("submit", JOB, "--context", "lab")
+    code, out, _ = cli("logs", "resnet50-imagenet", "--all", "--previous", "--since", "10m", "--context", "lab")
+    assert code == 0
+    assert "[resnet50-imagenet-worker-1] worker log" in out.splitlines()
+    assert any(line.startswith('[resnet50-imagenet-worker-0] {"event": "step"') for line in out.splitlines())
+    for query in queries(server, "/log"):
+        assert query["previous"][0].lower() == "true" and query["sinceSeconds"] == ["600"]
+    code, _, err = cli("logs", "resnet50-imagenet", "--since", "10 minutes", "--context", "lab")
+    assert code == 2 and "allowed: a positive duration such as 90s, 10m, 2h or 1d" in err
+
+
+def test_options_are_accepted_after_the_subcommand_and_the_config_comes_from_the_environment(cli, server, tmp_path):
+    assert cli("list", "--context", "lab")[0] == 0
+    code, _, err = cli("list", "--context", "lab", extra_env={"TRAINCTL_CONFIG": str(tmp_path / "mine.yaml")})
+    assert code == 2 and f"config error: {tmp_path / 'mine.yaml'}: cannot read the file" in err
+
+
+def test_version_and_completion():
+    run = [sys.executable, "-m", "trainctl"]
+    version = subprocess.run([*run, "--version"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert version.stdout.strip() == "trainctl 0.1.0"
+    script = subprocess.run([*run, "completion", "bash"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert script.returncode == 0 and "complete" in script.stdout
+    assert "stage-data" in script.stdout and "--all" in script.stdout
+    checked = subprocess.run(["bash", "-n"], input=script.stdout, capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_checkpoints_of_a_job_are_listed_from_s3(monkeypatch, capsys):
+    from trainctl import __main__ as trainctl
+
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-west-2"}.items():
+        monkeypatch.setenv(key, value)
+    with mock_aws():
+        s3 = boto3.client("s3", region_name="us-west-2")
+        s3.create_bucket(Bucket="data", CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
+        for key in ("checkpoints/resnet50-imagenet/step-000001000.pt", "checkpoints/resnet50-imagenet/step-000000500.pt",
+                    "checkpoints/resnet50-imagenet-2/step-000000100.pt", "checkpoints/resnet50-imagenet/notes.txt"):
+            s3.put_object(Bucket="data", Key=key, Body=b"x" * 2**20)
+        monkeypatch.setattr(trainctl, "stack_outputs", lambda *_args: ["data", "checkpoints/"])
+        args = type("Args", (), {"name": "resnet50-imagenet", "profile": None})
+        assert trainctl.list_checkpoints(args, CONFIG) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["s3://data/checkpoints/resnet50-imagenet/step-000000500.pt",
+                                                 "s3://data/checkpoints/resnet50-imagenet/step-000001000.pt"]
+    assert "1.0 MiB" in lines[0]
