@@ -1,4 +1,4 @@
-"""A launch template for accelerated EKS nodes: one EFA interface per network card, IMDSv2, encrypted gp3.
+"""A launch template for accelerated nodes (EKS, or AWS Batch): one EFA interface per network card, IMDSv2, encrypted gp3.
 
 The interface layout follows EC2's rules for multi-card instances: card 0 carries the
 primary interface (an EFA with its ENA device, device index 0). Every other card carries one
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aws_cdk import aws_ec2 as ec2
+from aws_cdk import Fn, aws_ec2 as ec2
 from constructs import Construct
 
 from config.catalog import InstanceType
@@ -57,6 +57,7 @@ class EfaLaunchTemplateProps:
     root_volume_gib: int = 200  # CUDA / Neuron images are large
     efa_only_secondary: bool = False
     capacity_reservation: CapacityReservation | None = None
+    user_data: str | None = None  # MIME multipart (EKS merges its own part; Batch adds the ECS one)
 
 
 class EfaLaunchTemplate(Construct):
@@ -82,6 +83,7 @@ class EfaLaunchTemplate(Construct):
             security_group_ids=None if self.efa_interfaces else props.security_group_ids,
             placement=L.PlacementProperty(group_name=props.placement_group_name)
             if props.placement_group_name else None,
+            user_data=Fn.base64(props.user_data) if props.user_data else None,
             **_reserved(props.capacity_reservation),
         )
         self.resource = L(self, "Resource", launch_template_data=data)

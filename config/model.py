@@ -467,6 +467,25 @@ class PipelineConfig(StrictModel):
         return stages
 
 
+# Instance families an AWS Batch compute environment here can run: Batch's GPU AMI for ECS
+# (ECS_AL2023_NVIDIA, the default for GPU families since January 2026) does not support p3, and
+# Batch offers no AMI type with the Neuron driver (botocore's batch model, Ec2Configuration.imageType).
+BATCH_FAMILIES = ("p4d", "p4de", "p5", "p5e", "p5en", "g5", "g6e")
+
+
+class BatchConfig(StrictModel):
+    """AWS Batch multi-node parallel jobs on the same network, storage and image as EKS.
+
+    Each listed accelerated node group also becomes a Batch compute environment (its instance
+    type, EFA, placement group and max_size, at 0 vCPUs when idle) with a job queue and a job
+    definition of the same name.
+    """
+
+    node_groups: list[Name] = Field(min_length=1)
+    # Attempts of a job: a lost host or a Spot reclaim is retried, a config or code error is not.
+    attempts: int = Field(default=3, ge=1, le=10)
+
+
 # AWS tag rules (Tagging AWS resources, "Tag naming limits and requirements"): 50 tags per
 # resource, keys up to 128 and values up to 256 characters of these, no aws: prefix.
 TAG_TEXT = re.compile(r"[\w\s+\-=.:/@]*")
@@ -493,6 +512,7 @@ class PlatformConfig(StrictModel):
     versions: VersionsConfig = VersionsConfig()
     jobs: JobsConfig = JobsConfig()
     pipeline: PipelineConfig | None = None
+    batch: BatchConfig | None = None
     tags: dict[Annotated[str, Field(min_length=1, max_length=128)], Annotated[str, Field(max_length=256)]] = {}
 
     @field_validator("tags")
@@ -556,6 +576,25 @@ class PlatformConfig(StrictModel):
     @property
     def cluster_autoscaler_chart(self) -> str:
         return self.versions.cluster_autoscaler_chart or CLUSTER_AUTOSCALER_CHARTS[self.cluster.kubernetes_version]
+
+    @model_validator(mode="after")
+    def _batch_fits(self):
+        if self.batch is None:
+            return self
+        groups = {g.name: g for g in self.accelerated_node_groups}
+        for i, name in enumerate(self.batch.node_groups):
+            where = f"batch.node_groups[{i}]"
+            if name not in groups:
+                raise FieldProblem(where, name, ", ".join(groups), "not an accelerated node group of this platform")
+            instance = groups[name].instance
+            if instance.family not in BATCH_FAMILIES:
+                why = ("Batch offers no AMI with the Neuron driver" if instance.accelerator.value == "neuron" else
+                       "Batch's GPU AMI for ECS (ECS_AL2023_NVIDIA) does not support it")
+                raise FieldProblem(where, name, "a node group of a family Batch runs here: " + ", ".join(BATCH_FAMILIES),
+                                   f"{instance.name}: {why}")
+            if self.batch.node_groups.index(name) != i:
+                raise FieldProblem(where, name, "each node group once", "listed twice")
+        return self
 
     @model_validator(mode="after")
     def _pipeline_fits(self):

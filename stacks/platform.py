@@ -10,6 +10,7 @@ from cdk_nag import AwsSolutionsChecks
 from constructs import Construct
 
 from config import PlatformConfig
+from stacks.batch_stack import BatchStack
 from stacks.cluster_stack import ClusterStack
 from stacks.network_stack import NetworkStack
 from stacks.registry_stack import RegistryStack
@@ -25,11 +26,12 @@ class Platform:
     registry: RegistryStack
     storage: StorageStack
     cluster: ClusterStack
+    batch: BatchStack | None = None
 
     @property
     def stacks(self) -> list:
         """In deploy order: a stack comes after every stack it reads from."""
-        return [self.network, self.registry, self.storage, self.cluster]
+        return [self.network, self.registry, self.storage, self.cluster] + ([self.batch] if self.batch else [])
 
     @property
     def teardown(self) -> list:
@@ -85,10 +87,17 @@ def add_platform_stacks(scope: Construct, config: PlatformConfig, env: Environme
         env=env,
         description=f"{prefix}: EKS with system and EFA-ready accelerated node groups, add-ons and charts",
     )
+    batch = None
+    if config.batch is not None:
+        batch = BatchStack(
+            scope, f"{prefix}-batch", stack_name=f"{prefix}-batch", config=config, network=network,
+            registry=registry, storage=storage, env=env,
+            description=f"{prefix}: AWS Batch multi-node parallel training on the same network, storage and image",
+        )
     Tags.of(scope).add("platform", prefix)
     for key, value in sorted(config.tags.items()):
         Tags.of(scope).add(key, value)
-    return Platform(network=network, registry=registry, storage=storage, cluster=cluster)
+    return Platform(network=network, registry=registry, storage=storage, cluster=cluster, batch=batch)
 
 
 def add_policy_checks(app: App) -> None:

@@ -103,6 +103,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "nothing-retained": config_variant(
         **{"fsx.retain_on_delete": False, "bucket.retain_on_delete": False, "ecr.retain_on_delete": False}
     ),
+    # config/batch-example.yaml: AWS Batch beside EKS for the p4d group.
+    "batch": yaml.safe_load((REPO / "config" / "batch-example.yaml").read_text()),
 }
 
 

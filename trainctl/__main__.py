@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints = command("checkpoints", "a job's checkpoints, as exported to S3")
     checkpoints.add_argument("name")
     command("list", "the jobs in the jobs namespace")
+    for name in ("submit", "status", "cancel", "logs", "list"):
+        commands.choices[name].add_argument(
+            "--backend", choices=("eks", "batch"), default="eks",
+            help="eks (Volcano on the cluster, elastic) or batch (AWS Batch multi-node parallel, fixed size)")
     completion = commands.add_parser("completion", help="print a shell completion script",
                                      description="eval \"$(trainctl completion bash)\" in ~/.bashrc, or zsh / tcsh")
     completion.add_argument("shell", choices=("bash", "zsh", "tcsh"))
@@ -156,6 +160,8 @@ def run(args, config) -> int:
     if args.command == "render":
         print(render_yaml(render(config, load_job_spec(args.job, config), args.nccl_check)), end="")
         return 0
+    if getattr(args, "backend", "eks") == "batch":
+        return batch(args, config)
     if args.command == "submit":
         objects = render(config, load_job_spec(args.job, config), args.nccl_check)
         jobs = connect(args, config)
@@ -170,6 +176,52 @@ def run(args, config) -> int:
     if args.command == "cancel":
         return cancel(args, connect(args, config))
     return watch(args, connect(args, config))
+
+
+def batch(args, config) -> int:
+    """submit, status, logs, cancel and list on AWS Batch (trainctl.batch)."""
+    from k8s_charts.job_spec import load_job_spec
+    from trainctl.batch import BatchJobs
+    from trainctl.errors import UserError
+
+    if args.command == "submit":
+        spec = load_job_spec(args.job, config)  # checked before any AWS call
+        if args.nccl_check or args.follow:
+            raise UserError(f"--backend batch: got {'--nccl-check' if args.nccl_check else '--follow'}",
+                            "allowed with batch: --replace and --wait; read logs with `trainctl logs --backend batch`")
+        jobs = BatchJobs(_session(args), config)
+        job_id = jobs.submit(spec, args.replace)
+        print(f"submitted {spec.name} to AWS Batch ({job_id}), {spec.max_nodes} nodes")
+        if args.wait:
+            said = None
+            while True:
+                report = jobs.status(spec.name)
+                if report.state != said:
+                    _say(f"{spec.name}: {report.state}")
+                    said = report.state
+                if report.finished:
+                    return 0 if report.state == "SUCCEEDED" else 1
+                time.sleep(args.interval)
+        return 0
+    if args.command == "cancel" and (args.all or args.name is None):
+        raise UserError("cancel --backend batch: got --all or no name", "allowed: `trainctl cancel NAME --backend batch`")
+    name = getattr(args, "name", None)
+    if name is not None:
+        from trainctl.errors import check_name
+
+        check_name("job name", name)  # before any AWS call
+    jobs = BatchJobs(_session(args), config)
+    if args.command == "status":
+        print(jobs.status(args.name).format())
+    elif args.command == "logs":
+        print(jobs.log(args.name, args.rank), end="")
+    elif args.command == "cancel":
+        jobs.cancel(args.name)
+        print(f"cancelled {args.name} on AWS Batch; checkpoints stay on the file system and in S3")
+    elif args.command == "list":
+        for job_name, state in jobs.list():
+            print(f"{job_name:<40} {state}")
+    return 0
 
 
 def _say(line: str) -> None:

@@ -177,6 +177,10 @@ def quota_checks(config: PlatformConfig, quotas) -> list[Check]:
     needed: dict[tuple[str, str, str], int] = defaultdict(int)
     groups = [(g.instance_type, g.max_size, g.capacity_type.value) for g in config.accelerated_node_groups]
     groups.append((config.system_node_group.instance_type, config.system_node_group.max_size, "ON_DEMAND"))
+    # A Batch compute environment draws on the same EC2 quotas, beside the EKS group it mirrors.
+    by_name = {g.name: g for g in config.accelerated_node_groups}
+    groups += [(by_name[n].instance_type, by_name[n].max_size, by_name[n].capacity_type.value)
+               for n in (config.batch.node_groups if config.batch else [])]
     for instance_type, nodes, capacity in groups:
         table = SPOT_QUOTAS if capacity == "SPOT" else ON_DEMAND_QUOTAS
         code, name = table[quota_family(instance_type)]

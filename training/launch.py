@@ -167,6 +167,54 @@ def launch_command(*, min_nodes: int, max_nodes: int, nproc_per_node: int, endpo
     return [python, "-m", LAUNCHER_MODULE, *flags, "-m", TRAINER_MODULE, "train"]
 
 
+# AWS Batch multi-node parallel jobs: a fixed number of nodes, each told its index, the count and
+# the main node's address in its environment (Batch User Guide, "Multi-node parallel jobs",
+# environment variables). The container command carries this flag; the launcher replaces it,
+# on each node, by torchrun's static rendezvous at the main node.
+BATCH_NODE_FLAG = "--aws-batch-mnp"
+BATCH_MASTER_PORT = 29500
+# Batch's container stop: SIGTERM, then SIGKILL after ECS's default stop timeout of 30 s.
+BATCH_STOP_GRACE_S = 30
+
+
+class BatchEnvironmentError(ValueError):
+    """The Batch variables are missing or wrong: the command ran outside a Batch MNP job."""
+
+
+def batch_launch_command(*, nproc_per_node: int, max_restarts: int, python: str = "python",
+                         master_port: int = BATCH_MASTER_PORT) -> list[str]:
+    """The container command of an AWS Batch multi-node parallel job, ending with ``-m training
+    train``; append the trainer's overrides. The node's place in the job is read from Batch's
+    environment when the container starts (:func:`batch_rendezvous_arguments`)."""
+    return [python, "-m", LAUNCHER_MODULE, BATCH_NODE_FLAG, f"--nproc-per-node={nproc_per_node}",
+            f"--max-restarts={max_restarts}", f"--master-port={master_port}", "--start-method=fork",
+            f"--shutdown-timeout={shutdown_timeout(BATCH_STOP_GRACE_S)}", "-m", TRAINER_MODULE, "train"]
+
+
+def batch_rendezvous_arguments(environ: dict[str, str]) -> list[str]:
+    """torchrun's static rendezvous for this node of a Batch MNP job.
+
+    The main node hosts the store (node rank 0) and does not get its own address in the
+    environment (Batch sets AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS on the other nodes
+    only). Each attempt of the job is its own run: AWS_BATCH_JOB_ID is ``<job>#<node>`` on a node.
+    """
+    try:
+        index = int(environ["AWS_BATCH_JOB_NODE_INDEX"])
+        nodes = int(environ["AWS_BATCH_JOB_NUM_NODES"])
+        main = int(environ.get("AWS_BATCH_JOB_MAIN_NODE_INDEX", "0"))
+        job = environ["AWS_BATCH_JOB_ID"].split("#")[0]
+    except (KeyError, ValueError) as exc:
+        raise BatchEnvironmentError(f"{BATCH_NODE_FLAG}: AWS Batch's job variables are missing or invalid "
+                                    f"({exc}); allowed: inside an AWS Batch multi-node parallel job") from None
+    address = "127.0.0.1" if index == main else environ.get("AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS")
+    if not address:
+        raise BatchEnvironmentError(f"{BATCH_NODE_FLAG}: node {index} has no AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_"
+                                    "ADDRESS; allowed: inside an AWS Batch multi-node parallel job")
+    attempt = environ.get("AWS_BATCH_JOB_ATTEMPT", "1")
+    return [f"--nnodes={nodes}", f"--node-rank={(index - main) % nodes}", "--rdzv-backend=static",
+            f"--master-addr={address}", f"--rdzv-id={job}-{attempt}"]
+
+
 def shutdown_timeout(grace_period_s: int) -> int:
     """Seconds the workers get to checkpoint after SIGTERM, inside the pod's grace period."""
     if grace_period_s <= SHUTDOWN_MARGIN_S:
@@ -263,7 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     from training import agent, rendezvous
 
     rendezvous.register()
-    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if BATCH_NODE_FLAG in argv:
+        try:
+            position = argv.index(BATCH_NODE_FLAG)
+            argv[position:position + 1] = batch_rendezvous_arguments(dict(os.environ))
+        except BatchEnvironmentError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+    args = torchrun.parse_args(argv)
     trainer_config = None
     if args.module and args.training_script == TRAINER_MODULE:
         trainer_config, problem = _trainer_config(args.training_script_args)

@@ -122,7 +122,8 @@ class LocalEtcd:
 class Agent:
     """One agent (a 'node') running ``python -m training train`` with the given overrides.
 
-    By default it runs exactly what a pod runs (:func:`training.launch.launch_command`).
+    By default it runs exactly what a pod runs (:func:`training.launch.launch_command`); ``command``
+    runs another container command instead (an AWS Batch node's, with its environment in ``env``).
     ``launcher="torchrun"`` runs plain torchrun with its etcd-v2 rendezvous instead:
     ``tuning`` then picks its settings (``None``: torch's defaults), and ``share_store_fix=False``
     leaves out TORCH_DISABLE_SHARE_RDZV_TCP_STORE. Both exist for comparisons.
@@ -131,13 +132,16 @@ class Agent:
     def __init__(self, name: str, endpoint: str, run_id: str, workdir: Path, trainer_args: list[str], *,
                  min_nodes: int = 1, max_nodes: int = 3, nproc_per_node: int = 1, max_restarts: int = 10,
                  launcher: str = "platform", tuning: RendezvousTuning | TorchrunTuning | None = PLATFORM_TUNING,
-                 share_store_fix: bool = True, grace_period_s: int = 60, env: dict[str, str] | None = None):
+                 share_store_fix: bool = True, grace_period_s: int = 60, env: dict[str, str] | None = None,
+                 command: list[str] | None = None):
         self.name = name
         self.log_path = workdir / f"{name}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         if share_store_fix:
             env.update(LAUNCH_ENVIRONMENT)
-        if launcher == "platform":
+        if command is not None:
+            pass  # another backend's container command (an AWS Batch node), run as given
+        elif launcher == "platform":
             command = launch_command(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node,
                                      endpoint=endpoint, run_id=run_id, max_restarts=max_restarts,
                                      local_addr="127.0.0.1", python=sys.executable, grace_period_s=grace_period_s,

@@ -1,0 +1,157 @@
+"""The same job spec on AWS Batch: submit, status, logs, cancel and list multi-node parallel jobs.
+
+A Batch MNP job has a fixed size: it runs on ``max_nodes`` nodes (``min_nodes`` has no meaning
+there). A job definition names its image, and a submission cannot override it, so each submit
+registers a revision of the node group's job definition (declared by the batch stack: devices,
+mounts, limits, retry strategy) with the job's image, node count and command, then submits it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from config import PlatformConfig
+from k8s_charts.job_spec import JobSpec
+from trainctl.errors import UserError, check_name
+from training.launch import SPOT_NOTICE_ENV, batch_launch_command
+
+# Batch's job states (Batch API, JobStatus); the first five are still to finish.
+ACTIVE_STATES = ("SUBMITTED", "PENDING", "RUNNABLE", "STARTING", "RUNNING")
+LOG_GROUP = "/aws/batch/{prefix}-training"  # cdk_constructs.batch_training.batch_log_group
+
+
+def queue_name(config: PlatformConfig, group: str) -> str:
+    return f"{config.name_prefix}-{group}"  # stacks.batch_stack.batch_name, without importing CDK
+
+
+@dataclass
+class BatchStatus:
+    name: str
+    job_id: str
+    state: str
+    reason: str
+    attempts: list[str]  # each attempt's end, oldest first
+    nodes: int
+
+    @property
+    def finished(self) -> bool:
+        return self.state not in ACTIVE_STATES
+
+    def format(self) -> str:
+        lines = [f"job {self.name} (AWS Batch {self.job_id}): {self.state}" + (f" ({self.reason})" if self.reason else ""),
+                 f"nodes: {self.nodes}"]
+        lines += [f"attempt {i}: {text}" for i, text in enumerate(self.attempts, 1)]
+        return "\n".join(lines)
+
+
+class BatchJobs:
+    def __init__(self, session, config: PlatformConfig):
+        if config.batch is None:
+            raise UserError("--backend batch: this platform has no batch section",
+                            "add `batch: {node_groups: [...]}` to the config and deploy (see config/batch-example.yaml)")
+        self.config = config
+        self.batch = session.client("batch", region_name=config.region)
+        self.logs = session.client("logs", region_name=config.region)
+
+    def _queue(self, spec: JobSpec) -> str:
+        if spec.node_group not in self.config.batch.node_groups:
+            raise UserError(f"node_group: got {spec.node_group!r}, which has no Batch compute environment",
+                            f"allowed with --backend batch: {', '.join(self.config.batch.node_groups)}")
+        return queue_name(self.config, spec.node_group)
+
+    def job_definition(self, spec: JobSpec) -> dict:
+        """The RegisterJobDefinition request for this job: the stack's definition with the job's
+        image, node count, command and environment."""
+        name = self._queue(spec)
+        found = self.batch.describe_job_definitions(jobDefinitionName=name, status="ACTIVE")["jobDefinitions"]
+        if not found:
+            raise UserError(f"no Batch job definition {name!r} in {self.config.region}",
+                            f"deploy the batch stack (npx cdk deploy {self.config.name_prefix}-batch)")
+        base = max(found, key=lambda d: d["revision"])
+        config = self.config
+        node_range = dict(base["nodeProperties"]["nodeRangeProperties"][0])
+        container = dict(node_range["container"])
+        container["image"] = spec.image
+        container["command"] = batch_launch_command(nproc_per_node=spec.nproc_per_node(config),
+                                                    max_restarts=spec.max_restarts) + spec.trainer_flags(config)
+        env = {e["name"]: e["value"] for e in container.get("environment", [])}
+        if spec.group(config).capacity_type.value == "SPOT":
+            env[SPOT_NOTICE_ENV] = "imds"
+        env.update(spec.env)
+        container["environment"] = [{"name": k, "value": v} for k, v in sorted(env.items())]
+        container["resourceRequirements"] = [
+            {**r, "value": str(spec.accelerators(config))} if r["type"] == "GPU" else r
+            for r in container.get("resourceRequirements", [])]
+        node_range["container"] = container
+        return {
+            "jobDefinitionName": name, "type": "multinode", "platformCapabilities": ["EC2"], "propagateTags": True,
+            "nodeProperties": {"numNodes": spec.max_nodes, "mainNode": 0, "nodeRangeProperties": [node_range]},
+            "retryStrategy": base["retryStrategy"], "tags": {"platform": config.name_prefix, "job": spec.name},
+        }
+
+    def find(self, name: str) -> dict | None:
+        """The newest job of that name in any of the platform's queues."""
+        check_name("job name", name)
+        newest = None
+        for group in self.config.batch.node_groups:
+            pages = self.batch.get_paginator("list_jobs").paginate(
+                jobQueue=queue_name(self.config, group), filters=[{"name": "JOB_NAME", "values": [name]}])
+            for page in pages:
+                for job in page["jobSummaryList"]:
+                    if job["jobName"] == name and (newest is None or job["createdAt"] > newest["createdAt"]):
+                        newest = job
+        return newest
+
+    def submit(self, spec: JobSpec, replace: bool = False) -> str:
+        queue = self._queue(spec)
+        existing = self.find(spec.name)
+        if existing is not None and existing["status"] in ACTIVE_STATES:
+            if not replace:
+                raise UserError(f"job {spec.name!r} is {existing['status']} on AWS Batch",
+                                "choose another name, or pass --replace to end it first (checkpoints are kept)")
+            self.batch.terminate_job(jobId=existing["jobId"], reason="trainctl submit --replace")
+        definition = self.batch.register_job_definition(**self.job_definition(spec))
+        submitted = self.batch.submit_job(jobName=spec.name, jobQueue=queue,
+                                          jobDefinition=definition["jobDefinitionArn"],
+                                          tags={"platform": self.config.name_prefix, "job": spec.name})
+        return submitted["jobId"]
+
+    def _job(self, name: str) -> dict:
+        found = self.find(name)
+        if found is None:
+            raise UserError(f"no AWS Batch job {name!r} in the platform's queues", "see `trainctl list --backend batch`")
+        return self.batch.describe_jobs(jobs=[found["jobId"]])["jobs"][0]
+
+    def status(self, name: str) -> BatchStatus:
+        job = self._job(name)
+        attempts = [f"{a.get('statusReason') or 'ended'}" + (
+            f", exit {a['container']['exitCode']}" if a.get("container", {}).get("exitCode") is not None else "")
+            for a in job.get("attempts", [])]
+        nodes = job.get("nodeProperties", {}).get("numNodes") or job.get("nodeDetails", {}).get("nodeIndex", 0) + 1
+        return BatchStatus(name, job["jobId"], job["status"], job.get("statusReason", ""), attempts, nodes)
+
+    def log(self, name: str, rank: int = 0) -> str:
+        """A node's log from CloudWatch Logs (node ``rank`` of the newest attempt)."""
+        job = self._job(name)
+        node = self.batch.describe_jobs(jobs=[f"{job['jobId']}#{rank}"])["jobs"]
+        stream = node[0].get("container", {}).get("logStreamName") if node else None
+        if not stream:
+            raise UserError(f"node {rank} of {name!r} has no log yet", "wait until it runs (trainctl status)")
+        events = self.logs.get_log_events(logGroupName=LOG_GROUP.format(prefix=self.config.name_prefix),
+                                          logStreamName=stream, startFromHead=True)["events"]
+        return "".join(e["message"] + "\n" for e in events)
+
+    def cancel(self, name: str) -> None:
+        job = self._job(name)
+        if job["status"] not in ACTIVE_STATES:
+            raise UserError(f"job {name!r} already ended ({job['status']})", "nothing to cancel")
+        self.batch.terminate_job(jobId=job["jobId"], reason="trainctl cancel")
+
+    def list(self) -> list[tuple[str, str]]:
+        jobs = []
+        for group in self.config.batch.node_groups:
+            for state in ACTIVE_STATES:
+                for page in self.batch.get_paginator("list_jobs").paginate(
+                        jobQueue=queue_name(self.config, group), jobStatus=state):
+                    jobs += [(j["jobName"], j["status"]) for j in page["jobSummaryList"]]
+        return sorted(jobs)
