@@ -87,3 +87,39 @@ def test_the_torch_free_names_are_exactly_the_models_that_build():
 
     assert set(MODEL_NAMES) == {*RESNET_DEPTHS, *SCALINGS, *BERT_SIZES, "mlp"}
     assert len(MODEL_NAMES) == len(set(MODEL_NAMES))
+
+
+def masked_batch(vocab: int, batch: int = 4, seq: int = 64, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=generator)
+    labels = torch.full_like(tokens, -100)
+    chosen = torch.rand(batch, seq, generator=generator) < 0.15
+    chosen[:, 0] = True
+    labels[chosen] = tokens[chosen]
+    return tokens, labels
+
+
+def test_the_mlm_head_projects_only_the_masked_positions_with_the_same_loss_and_gradients():
+    torch.manual_seed(0)
+    model = build_model("bert_tiny").eval()
+    tokens, labels = masked_batch(model.size.vocab)
+    seen = []
+    original = model.mlm_logits
+    model.mlm_logits = lambda hidden: seen.append(hidden.shape[0]) or original(hidden)
+    per_sample = model(tokens, labels=labels, per_sample=True)
+    assert seen == [int((labels != -100).sum())]  # ~15 % of the 256 positions, not all of them
+    per_sample.sum().backward()
+    fast = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.mlm_logits = original
+    logits = model(tokens)  # every position, the way it was computed before
+    token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100,
+                                                   reduction="none")
+    chosen = (labels != -100).float()
+    reference = (token_loss * chosen).sum(1) / chosen.sum(1)
+    assert torch.allclose(per_sample, reference, atol=1e-5)
+    reference.sum().backward()
+    for name, parameter in model.named_parameters():
+        assert torch.allclose(fast[name], parameter.grad, atol=1e-5), name
+    assert model(tokens, labels=labels).item() == pytest.approx(
+        torch.nn.functional.cross_entropy(logits.reshape(-1, model.size.vocab), labels.reshape(-1)).item(), rel=1e-5)

@@ -104,3 +104,43 @@ def test_scale_lr_runs_one_micro_batch_per_device_and_logs_the_scaled_rate(tmp_p
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["lr_scale"] == 0.25
     assert {r["lr"] for r in records if r["event"] == "step"} == {0.1 * 0.25}
+
+
+def test_reported_throughput_is_wall_clock_between_reports(tmp_path):
+    # Windows of ~0.5 s or more, so that the events' millisecond timestamps and a loaded machine's
+    # jitter stay well under 2 %.
+    Trainer(small_run(tmp_path, "--train.max_steps=150", "--train.log_every_steps=50", "--model.image_size=48",
+                      "--data.synthetic_samples=8192", "--train.precision=fp32")).run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["event"] == "step"]
+    for before, after in zip(steps, steps[1:]):
+        external = (after["step"] - before["step"]) * 32 / (after["time"] - before["time"])
+        assert after["samples_per_s"] == pytest.approx(external, rel=0.02)
+
+
+def test_work_still_queued_on_the_device_is_counted(tmp_path, monkeypatch):
+    """A fake asynchronous device: each step leaves 50 ms of work queued, done only when someone
+    synchronizes. A CPU-side timer around each step would report ~0 ms steps."""
+    from training.device import Runtime
+
+    import dataclasses
+    import time
+
+    queued = {"s": 0.0}
+
+    def mark_step():  # the end of a step's host-side work: its device work is still queued
+        queued["s"] += 0.05
+
+    def synchronize(self):
+        time.sleep(queued["s"])
+        queued["s"] = 0.0
+
+    monkeypatch.setattr(Runtime, "synchronize", synchronize)
+    trainer = Trainer(small_run(tmp_path, "--train.max_steps=8", "--train.log_every_steps=4",
+                                "--train.precision=fp32"))
+    trainer.runtime = dataclasses.replace(trainer.runtime, mark_step=mark_step)
+    trainer.run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["event"] == "step"]
+    assert all(r["step_time_s"] >= 0.05 for r in steps), [r["step_time_s"] for r in steps]
+    assert all(r["samples_per_s"] <= 32 / 0.05 for r in steps)

@@ -25,14 +25,18 @@ def _version() -> str:
         return "unknown (not installed; run `make synth`)"
 
 
-def _global_options(suppress: bool) -> argparse.ArgumentParser:
-    """--config, --profile and --context, accepted before or after the subcommand."""
-    default = (lambda value: argparse.SUPPRESS) if suppress else (lambda value: value)
+def _global_options(after_the_command: bool) -> argparse.ArgumentParser:
+    """--config, --profile and --context, accepted before or after the subcommand. After it,
+    an option left out must not overwrite what was given before it (SUPPRESS: no default)."""
+    defaults = {"config": os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG, "profile": None, "context": None}
+    if after_the_command:
+        defaults = dict.fromkeys(defaults, argparse.SUPPRESS)
     options = argparse.ArgumentParser(add_help=False)
-    options.add_argument("--config", default=default(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG),
+    options.add_argument("--config", default=defaults["config"],
                          help=f"platform config (default ${CONFIG_ENV}, else {DEFAULT_CONFIG})")
-    options.add_argument("--profile", default=default(None), help="AWS profile (default: the usual credential chain)")
-    options.add_argument("--context", default=default(None),
+    options.add_argument("--profile", default=defaults["profile"],
+                         help="AWS profile (default: the usual credential chain)")
+    options.add_argument("--context", default=defaults["context"],
                          help="use this kubeconfig context instead of an EKS token")
     return options
 
@@ -233,7 +237,6 @@ def stage(args, config) -> int:
 
     from trainctl.stage import stage_data, under_prefix
 
-    prefix = None
     under = under_prefix(args.under)  # checked before any AWS call
     if args.concurrency < 1 or args.concurrency > 512:
         from trainctl.errors import UserError

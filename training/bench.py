@@ -88,15 +88,13 @@ def _single_batch(config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def trainer_loop(config: TrainConfig, steps: int, warmup: int) -> float:
-    """Samples/s over ``steps`` steps after ``warmup``, from the step times the trainer reports.
-
-    A step's time runs from its first micro-batch fetch to the end of the optimizer step, so
-    it includes data loading, loss weighting and the stop check.
-    """
+    """Samples/s over ``steps`` steps after ``warmup``, by wall clock between the trainer's
+    reports: each report synchronizes the device first, as the bare loop does around its steps.
+    The window includes data loading, loss weighting, the stop check and the report itself."""
     with tempfile.TemporaryDirectory() as scratch:
         config = config.model_copy(update={
             "train": config.train.model_copy(update={
-                "max_steps": warmup + steps, "log_every_steps": warmup,
+                "max_steps": warmup + steps, "log_every_steps": 1 if warmup == 0 else warmup,
                 "global_batch_size": config.train.micro_batch_size, "batch_policy": "fixed_global"}),
             "checkpoint": config.checkpoint.model_copy(update={"dir": scratch, "interval_steps": 10**9}),
             "metrics": config.metrics.model_copy(update={"jsonl_path": f"{scratch}/metrics.jsonl"}),
@@ -104,8 +102,9 @@ def trainer_loop(config: TrainConfig, steps: int, warmup: int) -> float:
         with contextlib.redirect_stdout(io.StringIO()):
             Trainer(config).run()
         records = [json.loads(line) for line in open(f"{scratch}/metrics.jsonl")]
-    windows = [r for r in records if r["event"] == "step"][1:]  # the first window is the warm-up
-    return config.train.micro_batch_size / statistics.mean(r["step_time_s"] for r in windows)
+    reports = [r for r in records if r["event"] == "step"]  # at step warmup, then warmup + steps
+    first, last = reports[0], reports[-1]
+    return (last["step"] - first["step"]) * config.train.micro_batch_size / (last["time"] - first["time"])
 
 
 def compare_with_bare_loop(config: TrainConfig, steps: int, warmup: int, repeats: int) -> Comparison:

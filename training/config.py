@@ -25,7 +25,9 @@ class ModelSection(StrictModel):
     image_size: int = Field(224, ge=16)
     # NHWC convolutions: faster on tensor cores with bf16/fp16; ignored for masked-LM models.
     channels_last: bool = True
-    compile: bool = False
+    # torch.compile: null (auto) compiles image models on a GPU, where it pays; true or false force
+    # it. A frame the compiler cannot handle runs eagerly instead (one line in the log).
+    compile: bool | None = None
 
     @model_validator(mode="after")
     def _known(self):

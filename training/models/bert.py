@@ -84,8 +84,29 @@ class BertForMaskedLM(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(
-        self, tokens: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None
+        self, tokens: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None,
+        per_sample: bool = False,
     ) -> Tensor:
+        """Logits for every position; or, with ``labels``, the loss over the positions whose label
+        is not -100 (the mean, or each sample's mean with ``per_sample``).
+
+        With labels only the masked positions (~15 %) go through the vocabulary projection, as
+        reference BERT pretraining code gathers them first: the other ~85 % of the logits would
+        be computed and thrown away."""
+        hidden = self.encode(tokens, attention_mask)
+        if labels is None:
+            return self.mlm_logits(hidden)
+        chosen = labels != -100
+        token_loss = nn.functional.cross_entropy(self.mlm_logits(hidden[chosen]).float(), labels[chosen],
+                                                 reduction="none")
+        if not per_sample:
+            return token_loss.mean()
+        sample_of = chosen.nonzero()[:, 0]
+        totals = torch.zeros(tokens.shape[0], device=token_loss.device, dtype=token_loss.dtype)
+        totals = totals.index_add(0, sample_of, token_loss)
+        return totals / chosen.sum(1).clamp(min=1)
+
+    def encode(self, tokens: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.word(tokens) + self.position(positions) + self.token_type(torch.zeros_like(tokens))
         x = self.dropout(self.embed_norm(x))
@@ -93,10 +114,11 @@ class BertForMaskedLM(nn.Module):
         mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
         for layer in self.layers:
             x = layer(x, mask)
-        logits = self.mlm_transform(x) @ self.word.weight.T + self.mlm_bias
-        if labels is None:
-            return logits
-        return nn.functional.cross_entropy(logits.view(-1, self.size.vocab), labels.view(-1), ignore_index=-100)
+        return x
+
+    def mlm_logits(self, hidden: Tensor) -> Tensor:
+        """The MLM head: transform, then the decoder that shares the word embeddings."""
+        return self.mlm_transform(hidden) @ self.word.weight.T + self.mlm_bias
 
 
 def bert(name: str) -> BertForMaskedLM:
