@@ -29,16 +29,30 @@ def test_image_folder_reads_jpeg_and_png_into_normalized_crops(image_folder):
     dataset = ImageFolder(image_folder, image_size=32)
     assert dataset.classes == ["n01", "n02"] and len(dataset) == 6
     image, label = dataset[SampleKey(4, 1.0, seed=11)]
-    assert image.shape == (3, 32, 32) and label == 1
+    assert image.shape == (32, 32, 3) and image.dtype == torch.uint8 and label == 1  # HWC, 1/4 of float32
     again, _ = dataset[SampleKey(4, 1.0, seed=11)]
     other, _ = dataset[SampleKey(4, 1.0, seed=12)]
     assert torch.equal(image, again) and not torch.equal(image, other)  # augmentation follows the seed
-    assert -3 < float(image.mean()) < 3
 
 
 def test_eval_transform_resizes_the_shorter_side_then_center_crops():
-    image = torch.rand(3, 300, 400)
-    assert eval_transform(image, 224).shape == (3, 224, 224)
+    image = torch.randint(0, 256, (3, 300, 400), dtype=torch.uint8)
+    assert eval_transform(image, 224).shape == (224, 224, 3)
+
+
+def test_the_device_normalizes_uint8_nhwc_batches_into_channels_last_floats():
+    from training.data import IMAGENET_MEAN, IMAGENET_STD
+    from training.device import detect, move
+
+    images = torch.randint(0, 256, (2, 8, 8, 3), dtype=torch.uint8)
+    expected = (images.permute(0, 3, 1, 2).float() / 255 - IMAGENET_MEAN) / IMAGENET_STD
+    moved = move(images, detect("cpu"), channels_last=True)
+    assert moved.dtype == torch.float32 and moved.shape == (2, 3, 8, 8)
+    assert moved.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(moved, expected, atol=1e-5)
+    assert move(images, detect("cpu"), channels_last=False).is_contiguous()
+    floats = torch.randn(2, 3, 8, 8)  # synthetic images stay as they are
+    assert torch.equal(move(floats, detect("cpu"), channels_last=False), floats)
 
 
 @pytest.mark.parametrize("layout", ["missing", "empty"])

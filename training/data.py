@@ -78,33 +78,46 @@ def _resize_shorter(image: Tensor, size: int) -> Tensor:
     return _resize(image, (max(size, round(height * scale)), max(size, round(width * scale))))
 
 
+# Images leave the loader as uint8 HWC: a quarter of float32's bytes to pin and copy, and the
+# NHWC batch is already channels_last once permuted. The device converts and normalizes them
+# (:func:`normalize_on_device`).
+
+
 def train_transform(image: Tensor, size: int, seed: int) -> Tensor:
+    """A decoded uint8 [3, H, W] image: random resized crop and flip, as uint8 [size, size, 3]."""
     generator = _generator(seed)
-    image = random_resized_crop(image, size, generator)
+    image = random_resized_crop(image.float(), size, generator)
     if torch.rand(1, generator=generator) < 0.5:
         image = image.flip(-1)
-    return normalize(image)
+    return _to_uint8_hwc(image)
 
 
 def eval_transform(image: Tensor, size: int) -> Tensor:
-    """Resize the shorter side to size / 0.875 (256 for 224), then a centre crop."""
-    return normalize(center_crop(_resize_shorter(image, round(size / 0.875)), size))
+    """Resize the shorter side to size / 0.875 (256 for 224), then a centre crop; uint8 HWC."""
+    return _to_uint8_hwc(center_crop(_resize_shorter(image.float(), round(size / 0.875)), size))
 
 
-def normalize(image: Tensor) -> Tensor:
-    return (image - IMAGENET_MEAN) / IMAGENET_STD
+def _to_uint8_hwc(image: Tensor) -> Tensor:
+    return image.round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).contiguous()
+
+
+def normalize_on_device(images: Tensor) -> Tensor:
+    """uint8 [N, H, W, 3] (on the device) as normalized float [N, 3, H, W] in channels_last memory."""
+    mean = (IMAGENET_MEAN * 255).to(images.device).view(1, 3, 1, 1)
+    std = (IMAGENET_STD * 255).to(images.device).view(1, 3, 1, 1)
+    return (images.permute(0, 3, 1, 2).float() - mean) / std
 
 
 # --- datasets ---------------------------------------------------------------------------------
 
 
 def decode_image(path: str | Path) -> Tensor:
-    """An image file as a float RGB tensor [3, H, W] in [0, 1], decoded with Pillow."""
+    """An image file as a uint8 RGB tensor [3, H, W], decoded with Pillow."""
     from PIL import Image
 
     with Image.open(path) as img:
         array = np.asarray(img.convert("RGB"), dtype=np.uint8)
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255)
+    return torch.from_numpy(array.copy()).permute(2, 0, 1)
 
 
 class ImageFolder(Dataset):
@@ -143,7 +156,7 @@ class ImageFolder(Dataset):
 
     def placeholder(self) -> tuple[Tensor, int]:
         """What stands in for a bad sample in its batch (with loss weight 0)."""
-        return torch.zeros(3, self.image_size, self.image_size), 0
+        return torch.zeros(self.image_size, self.image_size, 3, dtype=torch.uint8), 0
 
 
 class SyntheticImages(Dataset):

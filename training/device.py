@@ -91,9 +91,15 @@ def _neuron_runtime() -> Runtime | None:
 
 
 def move(batch: Any, runtime: Runtime, channels_last: bool) -> Any:
-    """Move a batch to the device without blocking; 4-D image batches optionally as channels_last."""
+    """Move a batch to the device without blocking. Image batches: uint8 NHWC (decoded images) are
+    normalized on the device; 4-D batches optionally as channels_last."""
     if isinstance(batch, torch.Tensor):
         batch = batch.to(runtime.device, non_blocking=True)
+        if batch.dim() == 4 and batch.dtype == torch.uint8:
+            from training.data import normalize_on_device
+
+            batch = normalize_on_device(batch)  # channels_last already: NHWC permuted
+            return batch if channels_last else batch.contiguous()
         if channels_last and batch.dim() == 4:
             batch = batch.contiguous(memory_format=torch.channels_last)
         return batch
