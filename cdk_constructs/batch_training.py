@@ -157,6 +157,6 @@ def lustre_user_data(volume: LustreVolume) -> str:
         "\n--==PLATFORM==--\n"])
 
 
-def batch_log_group(scope: Construct, name_prefix: str, retention: logs.RetentionDays) -> logs.LogGroup:
-    return logs.LogGroup(scope, "JobLogs", log_group_name=f"/aws/batch/{name_prefix}-training", retention=retention,
+def batch_log_group(scope: Construct, name: str, retention: logs.RetentionDays) -> logs.LogGroup:
+    return logs.LogGroup(scope, "JobLogs", log_group_name=name, retention=retention,
                          removal_policy=RemovalPolicy.RETAIN)

@@ -577,6 +577,15 @@ class PlatformConfig(StrictModel):
     def cluster_autoscaler_chart(self) -> str:
         return self.versions.cluster_autoscaler_chart or CLUSTER_AUTOSCALER_CHARTS[self.cluster.kubernetes_version]
 
+    def batch_name(self, group: str) -> str:
+        """A Batch node group's compute environment, job queue and job definition name."""
+        return f"{self.name_prefix}-{group}"
+
+    @property
+    def batch_log_group(self) -> str:
+        """Where Batch jobs' container logs go (awslogs)."""
+        return f"/aws/batch/{self.name_prefix}-training"
+
     @model_validator(mode="after")
     def _batch_fits(self):
         if self.batch is None:

@@ -14,11 +14,6 @@ from stacks.registry_stack import RegistryStack
 from stacks.storage_stack import StorageStack
 
 
-def batch_name(config: PlatformConfig, group: str) -> str:
-    """The queue, compute environment and job definition of a node group (trainctl uses it too)."""
-    return f"{config.name_prefix}-{group}"
-
-
 class BatchStack(Stack):
     def __init__(self, scope: Construct, id: str, *, config: PlatformConfig, network: NetworkStack,
                  registry: RegistryStack, storage: StorageStack, **kwargs) -> None:
@@ -27,11 +22,11 @@ class BatchStack(Stack):
         # Batch instances have no EKS cluster security group to give them egress (ECS, ECR, S3).
         egress = ec2.SecurityGroup(self, "InstanceEgress", vpc=net.vpc, allow_all_outbound=True,
                                    description="Batch training instances: outbound to ECS, ECR and S3")
-        logs_group = batch_log_group(self, config.name_prefix, RETENTION_BY_DAYS[config.monitoring.log_retention_days])
+        logs_group = batch_log_group(self, config.batch_log_group, RETENTION_BY_DAYS[config.monitoring.log_retention_days])
         groups = {g.name: g for g in config.accelerated_node_groups}
         self.training = {}
         for name in config.batch.node_groups:
-            queue_name = batch_name(config, name)
+            queue_name = config.batch_name(name)
             training = BatchTraining(self, f"Group-{name}", BatchTrainingProps(
                 name=queue_name, group=groups[name], subnet=net.compute_subnet,
                 security_groups=[net.node_security_group, egress], file_system=storage.file_system.volume,

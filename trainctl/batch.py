@@ -17,11 +17,6 @@ from training.launch import SPOT_NOTICE_ENV, batch_launch_command
 
 # Batch's job states (Batch API, JobStatus); the first five are still to finish.
 ACTIVE_STATES = ("SUBMITTED", "PENDING", "RUNNABLE", "STARTING", "RUNNING")
-LOG_GROUP = "/aws/batch/{prefix}-training"  # cdk_constructs.batch_training.batch_log_group
-
-
-def queue_name(config: PlatformConfig, group: str) -> str:
-    return f"{config.name_prefix}-{group}"  # stacks.batch_stack.batch_name, without importing CDK
 
 
 @dataclass
@@ -57,7 +52,7 @@ class BatchJobs:
         if spec.node_group not in self.config.batch.node_groups:
             raise UserError(f"node_group: got {spec.node_group!r}, which has no Batch compute environment",
                             f"allowed with --backend batch: {', '.join(self.config.batch.node_groups)}")
-        return queue_name(self.config, spec.node_group)
+        return self.config.batch_name(spec.node_group)
 
     def job_definition(self, spec: JobSpec) -> dict:
         """The RegisterJobDefinition request for this job: the stack's definition with the job's
@@ -95,7 +90,7 @@ class BatchJobs:
         newest = None
         for group in self.config.batch.node_groups:
             pages = self.batch.get_paginator("list_jobs").paginate(
-                jobQueue=queue_name(self.config, group), filters=[{"name": "JOB_NAME", "values": [name]}])
+                jobQueue=self.config.batch_name(group), filters=[{"name": "JOB_NAME", "values": [name]}])
             for page in pages:
                 for job in page["jobSummaryList"]:
                     if job["jobName"] == name and (newest is None or job["createdAt"] > newest["createdAt"]):
@@ -127,7 +122,7 @@ class BatchJobs:
         attempts = [f"{a.get('statusReason') or 'ended'}" + (
             f", exit {a['container']['exitCode']}" if a.get("container", {}).get("exitCode") is not None else "")
             for a in job.get("attempts", [])]
-        nodes = job.get("nodeProperties", {}).get("numNodes") or job.get("nodeDetails", {}).get("nodeIndex", 0) + 1
+        nodes = job.get("nodeProperties", {}).get("numNodes", 0)
         return BatchStatus(name, job["jobId"], job["status"], job.get("statusReason", ""), attempts, nodes)
 
     def log(self, name: str, rank: int = 0) -> str:
@@ -137,7 +132,7 @@ class BatchJobs:
         stream = node[0].get("container", {}).get("logStreamName") if node else None
         if not stream:
             raise UserError(f"node {rank} of {name!r} has no log yet", "wait until it runs (trainctl status)")
-        events = self.logs.get_log_events(logGroupName=LOG_GROUP.format(prefix=self.config.name_prefix),
+        events = self.logs.get_log_events(logGroupName=self.config.batch_log_group,
                                           logStreamName=stream, startFromHead=True)["events"]
         return "".join(e["message"] + "\n" for e in events)
 
@@ -152,6 +147,6 @@ class BatchJobs:
         for group in self.config.batch.node_groups:
             for state in ACTIVE_STATES:
                 for page in self.batch.get_paginator("list_jobs").paginate(
-                        jobQueue=queue_name(self.config, group), jobStatus=state):
+                        jobQueue=self.config.batch_name(group), jobStatus=state):
                     jobs += [(j["jobName"], j["status"]) for j in page["jobSummaryList"]]
         return sorted(jobs)

@@ -111,6 +111,16 @@ def sample_records(work: Path) -> list[dict]:
     return [json.loads(line) for f in (work / "samples").glob("*.jsonl") for line in f.read_text().splitlines()]
 
 
+def _regroup(work: Path, item: Disruption, world_size: int, what: str, agents: list, result) -> None:
+    """Wait for ``item``'s new round of ``world_size`` and its first step, then account for it."""
+    wait_until(lambda: [e for e in events(work, "rendezvous") if e["time"] > item.at
+                        and e["world_size"] == world_size], what, 120, agents)
+    item.lasted_s = time.time() - item.at
+    wait_until(lambda: _steps_at(work, item.at, world_size=world_size), f"{what}: training", 120, agents)
+    _account(work, item)
+    result.disruptions.append(item)
+
+
 def _account(work: Path, item: Disruption) -> None:
     """Fill in the cost of ``item``: steps trained meanwhile, restarts, steps lost, the longest stall."""
     end = item.at + item.lasted_s
@@ -186,22 +196,12 @@ def incarnation_drill(work: Path, samples: int = 120_000) -> DrillResult:
             wait_until(lambda: len(events(work, "step")) >= 10, "training", 120, agents)
             failed = Disruption("a node's workers crash in a loop", time.time())
             result.exit_codes["a"] = fragile.crash_loop(timeout=120)
-            wait_until(lambda: [e for e in events(work, "rendezvous") if e["time"] > failed.at
-                                and e["world_size"] == 1], "the survivor alone", 120, agents)
-            failed.lasted_s = time.time() - failed.at
-            wait_until(lambda: _steps_at(work, failed.at, world_size=1), "the survivor training", 120, agents)
-            _account(work, failed)
-            result.disruptions.append(failed)
+            _regroup(work, failed, 1, "the survivor alone", agents, result)
 
             replaced = Disruption("the failed pod's replacement rejoins", time.time())
             replacement = Agent("a2", endpoint, "job-v0", work, args, max_restarts=20)
             agents.append(replacement)
-            wait_until(lambda: [e for e in events(work, "rendezvous") if e["time"] > replaced.at
-                                and e["world_size"] == 2], "the replacement joining", 120, agents)
-            replaced.lasted_s = time.time() - replaced.at
-            wait_until(lambda: _steps_at(work, replaced.at, world_size=2), "both training", 120, agents)
-            _account(work, replaced)
-            result.disruptions.append(replaced)
+            _regroup(work, replaced, 2, "the replacement joining", agents, result)
 
             restarted = Disruption("the whole job restarts under a new version", time.time())
             for agent in (steady, replacement):
