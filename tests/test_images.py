@@ -26,8 +26,18 @@ def test_base_images_are_pinned_to_a_version(name):
 def test_images_install_the_pinned_trainer_requirements_and_only_the_trainer(name):
     text = (DOCKER / name).read_text()
     assert "training/requirements.txt" in text
-    copied = re.findall(r"^COPY (\S+)", text, re.MULTILINE)
-    assert set(copied) == {"training/requirements.txt", "typed_config/", "training/"}
+    copied = {path for line in re.findall(r"^COPY (.+)$", text, re.MULTILINE) for path in line.split()[:-1]}
+    extra = {"training/requirements-gpu.txt"} if name == "Dockerfile.gpu" else set()
+    assert copied == {"training/requirements.txt", "typed_config/", "training/"} | extra
+
+
+def test_the_gpu_image_adds_the_torchvision_built_for_the_pinned_torch():
+    gpu = (REPO / "training/requirements-gpu.txt").read_text().splitlines()
+    assert "-r requirements.txt" in gpu and "torchvision" not in PINS  # CPU torch cannot load it
+    (torchvision,) = [line.split("==")[1] for line in gpu if line.startswith("torchvision==")]
+    torch_minor = int(PINS["torch"].split(".")[1])
+    assert torchvision == f"0.{torch_minor + 15}.0"  # 0.28 goes with 2.13, 0.26 with 2.11 (each release pairs so)
+    assert "-r /tmp/requirements-gpu.txt" in (DOCKER / "Dockerfile.gpu").read_text()
 
 
 def test_rendezvous_client_pins_are_exact():

@@ -21,7 +21,7 @@ import torch
 from training.config import TrainConfig
 from training.device import detect, move
 from training.models import build_model
-from training.trainer import Trainer, per_sample_loss
+from training.trainer import Trainer, compile_with_fallback, per_sample_loss, should_compile
 
 
 @dataclass
@@ -59,6 +59,8 @@ def bare_loop(config: TrainConfig, steps: int, warmup: int) -> float:
         model.to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.optim.lr, momentum=config.optim.momentum,
                                 weight_decay=config.optim.weight_decay)
+    if should_compile(config, runtime.kind):  # the trainer's rule, so both sides compile or neither
+        model = compile_with_fallback(model)
     trainer_like = _single_batch(config)
     inputs, target = move(trainer_like, runtime, channels_last)
     batch = config.train.micro_batch_size
@@ -108,8 +110,51 @@ def trainer_loop(config: TrainConfig, steps: int, warmup: int) -> float:
 
 
 def compare_with_bare_loop(config: TrainConfig, steps: int, warmup: int, repeats: int) -> Comparison:
+    """Alternating runs of the bare loop and the trainer, so that machine noise hits both alike."""
     result = Comparison(config.model.name, config.train.micro_batch_size, detect(config.train.device).name)
     for _ in range(repeats):
         result.bare.append(round(bare_loop(config, steps, warmup), 2))
         result.trainer.append(round(trainer_loop(config, steps, warmup), 2))
     return result
+
+
+# --- BERT's masked-LM head: every position against the masked ones ---------------------------
+
+
+def _mlm_every_position(model, tokens, labels):
+    logits = model(tokens)
+    token_loss = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100,
+                                                   reduction="none")
+    chosen = (labels != -100).float()
+    return (token_loss * chosen).sum(1) / chosen.sum(1).clamp(min=1)
+
+
+def _mlm_masked_only(model, tokens, labels):
+    return model(tokens, labels=labels, per_sample=True)
+
+
+def compare_mlm_heads(name: str, batch: int, seq_len: int, repeats: int, device: torch.device,
+                      precision: str = "fp32") -> dict[str, float]:
+    """Median seconds of one forward+backward with the vocabulary projection at every position
+    and at the masked ones only, interleaved; each timed point follows a device sync."""
+    runtime = detect(device.type)
+    torch.manual_seed(0)
+    model = build_model(name).to(device)
+    tokens = torch.randint(0, model.size.vocab, (batch, seq_len), device=device)
+    labels = torch.full_like(tokens, -100)
+    chosen = torch.rand(tokens.shape, device=device) < 0.15
+    labels[chosen] = tokens[chosen]
+    times: dict[str, list[float]] = {"every position": [], "masked only": []}
+    steps = (("every position", _mlm_every_position), ("masked only", _mlm_masked_only))
+    for i in range(repeats + 1):  # the first round warms up; interleaved, so drift hits both alike
+        for label, step in steps:
+            model.zero_grad(set_to_none=True)
+            runtime.synchronize()
+            started = time.perf_counter()
+            with runtime.autocast(precision):
+                loss = step(model, tokens, labels).sum()
+            loss.backward()
+            runtime.synchronize()
+            if i:
+                times[label].append(time.perf_counter() - started)
+    return {label: statistics.median(values) for label, values in times.items()}

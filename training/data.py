@@ -6,8 +6,10 @@ seed, so a sample looks the same whichever rank reads it, before or after a rest
 
 from __future__ import annotations
 
+import io
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +46,25 @@ def _generator(seed: int) -> torch.Generator:
 # --- image transforms, in torch ---------------------------------------------------------------
 
 
-def random_resized_crop(image: Tensor, size: int, generator: torch.Generator,
-                        scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> Tensor:
-    """Inception-style crop: a random area and aspect ratio, resized to ``size`` x ``size``."""
-    _, height, width = image.shape
+@dataclass(frozen=True)
+class Crop:
+    """Where to cut one image and whether to mirror it: drawn in the loader from the sample's
+    seed, carried out by whichever decoder turns the file into pixels (:mod:`training.decode`)."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+    flip: bool = False
+
+
+def random_crop(height: int, width: int, seed: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> Crop:
+    """Inception-style augmentation of an image of ``height`` x ``width``: a random area and
+    aspect ratio, and a coin flip for the mirror image."""
+    generator = _generator(seed)
     area = height * width
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    crop = None
     for _ in range(10):
         target = area * float(torch.empty(1).uniform_(*scale, generator=generator))
         aspect = math.exp(float(torch.empty(1).uniform_(*log_ratio, generator=generator)))
@@ -58,24 +73,34 @@ def random_resized_crop(image: Tensor, size: int, generator: torch.Generator,
         if 0 < w <= width and 0 < h <= height:
             top = int(torch.randint(0, height - h + 1, (1,), generator=generator))
             left = int(torch.randint(0, width - w + 1, (1,), generator=generator))
-            return _resize(image[:, top : top + h, left : left + w], (size, size))
-    return center_crop(_resize_shorter(image, size), size)  # extreme aspect ratio: fall back
+            crop = Crop(top, left, h, w)
+            break
+    if crop is None:  # an extreme aspect ratio: the central square
+        crop = center_crop(height, width, 1.0)
+    flip = bool(torch.rand(1, generator=generator) < 0.5)
+    return Crop(crop.top, crop.left, crop.height, crop.width, flip)
 
 
-def center_crop(image: Tensor, size: int) -> Tensor:
-    _, height, width = image.shape
-    top, left = (height - size) // 2, (width - size) // 2
-    return image[:, top : top + size, left : left + size]
+def center_crop(height: int, width: int, fraction: float = 0.875) -> Crop:
+    """The central square, ``fraction`` of the shorter side: resized to 224 this is the classic
+    "resize to 256, crop 224" evaluation view."""
+    side = max(1, round(min(height, width) * fraction))
+    return Crop((height - side) // 2, (width - side) // 2, side, side)
 
 
-def _resize(image: Tensor, hw: tuple[int, int]) -> Tensor:
-    return F.interpolate(image[None], size=hw, mode="bilinear", antialias=True, align_corners=False)[0]
+def crop_and_resize(image: Tensor, crop: Crop, size: int) -> Tensor:
+    """uint8 [3, H, W] (on any device) cut to ``crop`` and resized to ``size`` x ``size`` with
+    antialiasing: float [3, size, size] in 0..255, not yet mirrored or rounded."""
+    region = image[:, crop.top : crop.top + crop.height, crop.left : crop.left + crop.width].float()
+    return F.interpolate(region[None], size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
 
 
-def _resize_shorter(image: Tensor, size: int) -> Tensor:
-    _, height, width = image.shape
-    scale = size / min(height, width)
-    return _resize(image, (max(size, round(height * scale)), max(size, round(width * scale))))
+def apply_crop(image: Tensor, crop: Crop, size: int) -> Tensor:
+    """:func:`crop_and_resize`, mirrored if the crop says so: uint8 [size, size, 3]."""
+    resized = crop_and_resize(image, crop, size)
+    if crop.flip:
+        resized = resized.flip(-1)
+    return resized.round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).contiguous()
 
 
 # Images leave the loader as uint8 HWC: a quarter of float32's bytes to pin and copy, and the
@@ -85,20 +110,12 @@ def _resize_shorter(image: Tensor, size: int) -> Tensor:
 
 def train_transform(image: Tensor, size: int, seed: int) -> Tensor:
     """A decoded uint8 [3, H, W] image: random resized crop and flip, as uint8 [size, size, 3]."""
-    generator = _generator(seed)
-    image = random_resized_crop(image.float(), size, generator)
-    if torch.rand(1, generator=generator) < 0.5:
-        image = image.flip(-1)
-    return _to_uint8_hwc(image)
+    return apply_crop(image, random_crop(image.shape[1], image.shape[2], seed), size)
 
 
 def eval_transform(image: Tensor, size: int) -> Tensor:
-    """Resize the shorter side to size / 0.875 (256 for 224), then a centre crop; uint8 HWC."""
-    return _to_uint8_hwc(center_crop(_resize_shorter(image.float(), round(size / 0.875)), size))
-
-
-def _to_uint8_hwc(image: Tensor) -> Tensor:
-    return image.round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).contiguous()
+    """The central 87.5 % square (224 of 256), resized to ``size``; uint8 HWC."""
+    return apply_crop(image, center_crop(image.shape[1], image.shape[2]), size)
 
 
 def normalize_on_device(images: Tensor) -> Tensor:
@@ -116,14 +133,30 @@ def decode_image(path: str | Path) -> Tensor:
     from PIL import Image
 
     with Image.open(path) as img:
-        array = np.asarray(img.convert("RGB"), dtype=np.uint8)
+        return _rgb_tensor(img)
+
+
+def decode_bytes(data: bytes) -> Tensor:
+    """An encoded image (the bytes of a file) as a uint8 RGB tensor [3, H, W], decoded with Pillow."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return _rgb_tensor(img)
+
+
+def _rgb_tensor(img) -> Tensor:
+    array = np.asarray(img.convert("RGB"), dtype=np.uint8)
     return torch.from_numpy(array.copy()).permute(2, 0, 1)
 
 
 class ImageFolder(Dataset):
-    """``root/<class>/<image>`` read with Pillow; classes sorted by name, as torchvision does."""
+    """``root/<class>/<image>`` read with Pillow; classes sorted by name, as torchvision does.
 
-    def __init__(self, root: str | Path, image_size: int, train: bool = True):
+    ``encoded``: leave JPEGs encoded for the device to decode (:mod:`training.decode`); the
+    worker reads only the header, for the size the crop is drawn in.
+    """
+
+    def __init__(self, root: str | Path, image_size: int, train: bool = True, encoded: bool = False):
         self.root = Path(root)
         if not self.root.is_dir():
             raise DataError(f"data.path: {self.root} is not a directory; expected <path>/<class>/<image>.jpg")
@@ -136,7 +169,7 @@ class ImageFolder(Dataset):
         ]
         if not self.samples:
             raise DataError(f"data.path: no .jpg/.jpeg/.png images in class folders under {self.root}")
-        self.image_size, self.train = image_size, train
+        self.image_size, self.train, self.encoded = image_size, train, encoded
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -144,39 +177,68 @@ class ImageFolder(Dataset):
     def load(self, index: int) -> Tensor:
         return decode_image(self.samples[index][0])
 
-    def __getitem__(self, key: SampleKey) -> tuple[Tensor, int]:
+    def crop(self, height: int, width: int, seed: int) -> Crop:
+        return random_crop(height, width, seed) if self.train else center_crop(height, width)
+
+    def __getitem__(self, key: SampleKey) -> tuple[Any, int]:
         path, label = self.samples[key.index]
         try:
+            if self.encoded:
+                return self._encoded(path, key.seed), label
             image = self.load(key.index)
-            if self.train:
-                return train_transform(image, self.image_size, key.seed), label
-            return eval_transform(image, self.image_size), label
+            return apply_crop(image, self.crop(image.shape[1], image.shape[2], key.seed), self.image_size), label
         except Exception as exc:  # noqa: BLE001 - whatever Pillow raises for a bad file, the run goes on
             raise BadSample(f"{path}: {_reason(exc)}") from None
 
-    def placeholder(self) -> tuple[Tensor, int]:
+    def _encoded(self, path: Path, seed: int):
+        from PIL import Image
+
+        from training.decode import EncodedImage
+
+        data = path.read_bytes()
+        with Image.open(io.BytesIO(data)) as img:  # reads the header only
+            width, height = img.size
+            on_device = img.format == "JPEG" and img.mode == "RGB"
+        crop = self.crop(height, width, seed)
+        if not on_device:  # PNG, CMYK, grayscale: decoded by the worker as before (nvJPEG's RGB of those differs)
+            return EncodedImage(torch.empty(0, dtype=torch.uint8), crop, apply_crop(decode_bytes(data), crop,
+                                                                                    self.image_size), str(path))
+        return EncodedImage(torch.frombuffer(bytearray(data), dtype=torch.uint8), crop, None, str(path))
+
+    def placeholder(self) -> tuple[Any, int]:
         """What stands in for a bad sample in its batch (with loss weight 0)."""
-        return torch.zeros(self.image_size, self.image_size, 3, dtype=torch.uint8), 0
+        pixels = torch.zeros(self.image_size, self.image_size, 3, dtype=torch.uint8)
+        if self.encoded:
+            from training.decode import EncodedImage
+
+            return EncodedImage(torch.empty(0, dtype=torch.uint8), None, pixels), 0
+        return pixels, 0
 
 
 class SyntheticImages(Dataset):
-    """Deterministic images per sample id: a class prototype plus noise, so a model can learn them."""
+    """Deterministic images per sample id: a class prototype plus noise, so a model can learn them.
+
+    uint8 HWC like decoded images, so synthetic runs (the benchmarks) move the same bytes
+    through the same device-side normalization as real ones.
+    """
 
     def __init__(self, size: int, num_classes: int, image_size: int, seed: int = 0):
         self.size, self.num_classes, self.image_size = size, num_classes, image_size
-        self.prototypes = torch.randn(num_classes, 3, image_size, image_size, generator=_generator(seed + 7))
+        prototypes = torch.randn(num_classes, image_size, image_size, 3, generator=_generator(seed + 7))
+        self.prototypes = prototypes.mul_(40).add_(100).round_().clamp_(0, 200).to(torch.uint8)
 
     def __len__(self) -> int:
         return self.size
 
     def placeholder(self) -> tuple[Tensor, int]:
-        return torch.zeros(3, self.image_size, self.image_size), 0
+        return torch.zeros(self.image_size, self.image_size, 3, dtype=torch.uint8), 0
 
     def __getitem__(self, key: SampleKey) -> tuple[Tensor, int]:
         generator = _generator(key.index * 7919 + 1)
         label = int(torch.randint(0, self.num_classes, (1,), generator=generator))
-        noise = torch.randn(3, self.image_size, self.image_size, generator=generator)
-        return self.prototypes[label] + 2.0 * noise, label
+        # Integer noise: cheap enough that a few workers feed a GPU at thousands of images a second.
+        noise = torch.randint(0, 56, (self.image_size, self.image_size, 3), dtype=torch.uint8, generator=generator)
+        return self.prototypes[label] + noise, label
 
 
 class MaskedLMShards(Dataset):
@@ -301,10 +363,11 @@ class Keyed(Dataset):
         return inputs, target, key.index, key.weight, ""
 
 
-def build_dataset(config: TrainConfig, vocab_size: int | None = None) -> Dataset:
+def build_dataset(config: TrainConfig, vocab_size: int | None = None, encoded: bool = False) -> Dataset:
+    """The configured dataset; ``encoded``: JPEGs stay encoded for a device-side decoder."""
     data, model = config.data, config.model
     if data.kind == "imagefolder":
-        return ImageFolder(data.path, model.image_size)
+        return ImageFolder(data.path, model.image_size, encoded=encoded)
     if data.kind == "mlm_shards":
         return MaskedLMShards(data.path, data.seq_len, vocab_size, data.mask_probability)
     if model.is_masked_lm:
@@ -313,6 +376,8 @@ def build_dataset(config: TrainConfig, vocab_size: int | None = None) -> Dataset
 
 
 def build_loader(dataset: Dataset, sampler: MicroBatchSampler, config: TrainConfig, pin_memory: bool) -> DataLoader:
+    from training.decode import collate
+
     workers = config.data.num_workers
     return DataLoader(
         Keyed(dataset),
@@ -321,4 +386,5 @@ def build_loader(dataset: Dataset, sampler: MicroBatchSampler, config: TrainConf
         pin_memory=pin_memory,
         prefetch_factor=config.data.prefetch_factor if workers else None,
         persistent_workers=False,
+        collate_fn=collate,
     )

@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -163,6 +164,40 @@ def any_rank(*flags: bool | torch.Tensor, device: torch.device) -> tuple[bool, .
             value[i] = flag.to(device=device, dtype=value.dtype).reshape(())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return tuple(bool(v > 0) for v in value.tolist())
+
+
+class LaggedAgreement:
+    """:func:`any_rank` without the host sync: a step's flags go out as an asynchronous all-reduce,
+    and are read at the next step, once that step's work is queued.
+
+    A synchronous agreement makes the host wait each step for the device to finish it, so the
+    next step's launches start on an idle GPU. Read a step later, the all-reduce has long
+    finished while the device works on the step after; the price is that every rank acts on a
+    flag one step after it was raised, all at the same step.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._in_flight: tuple[Any, torch.Tensor] | None = None
+
+    def exchange(self, *flags: bool | torch.Tensor) -> tuple[bool, ...] | None:
+        """Send this step's flags; the previous step's, reduced over every rank (None at the first)."""
+        value = torch.tensor([float(f) if isinstance(f, bool) else 0.0 for f in flags], device=self.device)
+        for i, flag in enumerate(flags):
+            if isinstance(flag, torch.Tensor):
+                value[i] = flag.to(device=self.device, dtype=value.dtype).reshape(())
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True)
+        previous, self._in_flight = self._in_flight, (work, value)
+        if previous is None:
+            return None
+        previous[0].wait()
+        return tuple(bool(v > 0) for v in previous[1].tolist())
+
+    def settle(self) -> None:
+        """Complete the all-reduce in flight (before the process group goes away); its flags are dropped."""
+        if self._in_flight is not None:
+            self._in_flight[0].wait()
+            self._in_flight = None
 
 
 class SpotNotice:

@@ -143,3 +143,43 @@ def prepare_imagenet(root: str | Path, labels_path: str | Path, expect_classes: 
                            f"all are listed in {listing}; replace or remove them (training skips up to "
                            "data.max_bad_samples)")
     return result
+
+
+# --- ImageNet-like JPEGs, for benchmarks and tests ---------------------------------------------
+
+
+def natural_image(seed: int, height: int = 375, width: int = 500):
+    """An RGB array that compresses like a photograph (smooth gradients, flat blocks, a little
+    noise): at 500 x 375 and quality 90, about ImageNet's typical file size and decode cost."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    phase = rng.uniform(0, 6.3, 3)
+    base = np.stack([127 + 100 * np.sin(x / (20 + 30 * i) + y / (25 + 20 * i) + phase[i]) for i in range(3)], -1)
+    for _ in range(6):
+        top, left = rng.integers(0, height * 3 // 4), rng.integers(0, width * 3 // 4)
+        base[top : top + rng.integers(8, height // 3), left : left + rng.integers(8, width // 3)] = rng.integers(0, 255, 3)
+    base += rng.normal(0, 20, base.shape)
+    return base.clip(0, 255).astype(np.uint8)
+
+
+def _write_one(job: tuple[str, int, int, int]) -> int:
+    from PIL import Image
+
+    path, seed, height, width = job
+    Image.fromarray(natural_image(seed, height, width)).save(path, format="JPEG", quality=90)
+    return Path(path).stat().st_size
+
+
+def write_sample_jpegs(root: str | Path, count: int, classes: int = 10, height: int = 375, width: int = 500,
+                       workers: int | None = None) -> int:
+    """``count`` ImageNet-like JPEGs in ``root/<class>/``; returns their total bytes."""
+    root = Path(root)
+    jobs = []
+    for i in range(count):
+        folder = root / f"n{i % classes:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        jobs.append((str(folder / f"{i:07d}.JPEG"), i, height, width))
+    with ProcessPoolExecutor(workers or os.cpu_count()) as pool:
+        return sum(pool.map(_write_one, jobs, chunksize=64))

@@ -29,7 +29,8 @@ from training.broadcast import broadcast_state
 from training.checkpoint import CheckpointError, CheckpointManager, Saved
 from training.config import TrainConfig
 from training.data import DataError, build_dataset, build_loader
-from training.device import Runtime, detect, move
+from training.decode import build_decoder
+from training.device import DeviceFeed, Runtime, detect
 from training.launch import EXIT_MEMBERSHIP_CHANGE, STOP_BUDGET_ENV
 from training.metrics import MetricsWriter, stdout_is_for_people, training_flops_per_sample
 from training.models import IMAGE_MODELS, build_model
@@ -134,6 +135,8 @@ class Trainer:
         self._budget_warned = False
         self._bad_pending = 0  # samples skipped on this rank since the last count across ranks
         self._nonfinite: Tensor | None = None  # single process: a non-finite loss seen since the last check
+        self.agreement = elastic.LaggedAgreement(self._flag_device())
+        self._save_asked_for = -1  # rank 0, several ranks: the step a save was asked for, a step ahead
         resume_event = self._resume()
         self._durable_step = self.progress.step
         self.attempt = self._agree_on_attempt_id()
@@ -147,7 +150,8 @@ class Trainer:
             self.model = compile_with_fallback(self.model)
 
         vocab = getattr(getattr(self.module, "size", None), "vocab", None)
-        self.dataset = build_dataset(config, vocab)
+        self.decoder = build_decoder(config.data.decode, self.runtime.kind) if config.data.kind == "imagefolder" else None
+        self.dataset = build_dataset(config, vocab, encoded=self.decoder is not None)
         classes = getattr(self.dataset, "classes", None)
         if classes is not None and len(classes) > config.model.num_classes:
             raise DataError(
@@ -316,36 +320,44 @@ class Trainer:
                 self.dataset,
                 MicroBatchSampler(self.plan, self.progress.epoch, self.progress.offset, self.rank, self.layout),
                 cfg,
-                pin_memory=self.runtime.kind == "cuda",
+                # Pinned on the feed thread, not by the DataLoader's pin thread: on an H100 that
+                # thread cost a ResNet-50 step 17 % (benchmarks/throughput.py, section feed).
+                pin_memory=False,
             )
-            batches = iter(loader)
-            while self.progress.offset < self.plan.dataset_size and not self._reached(total_steps):
-                loss, data_wait, step_time = self._step(batches)
-                window.add(loss, data_wait)
-                if (self.distributed and self.first_start
-                        and self.progress.step - self.first_step == cfg.distributed.warmup_steps):
-                    elastic.shorten_timeout(cfg.distributed.timeout_s)
-                self._recent_step_s = step_time if self._recent_step_s is None else (
-                    0.9 * self._recent_step_s + 0.1 * step_time)
-                stop_now, notice, save_now = self._agree(loss)
-                if self.progress.step % cfg.train.log_every_steps == 0:
-                    last_loss = self._report(window, flops_per_sample)
-                if stop_now:
-                    self._save(synchronous=True, reason="stop")
-                    stopped = True
-                    break
-                if notice:
-                    self.spot.acted()
-                    self._save(synchronous=True, reason="spot-notice")
-                elif save_now:
-                    self._save(synchronous=False)
-                self._keep_loss_bound()
-            del batches, loader
+            feed = DeviceFeed(loader, self.runtime, self.channels_last, self.decoder, cfg.model.image_size,
+                              pin=self.runtime.kind == "cuda")
+            try:
+                while self.progress.offset < self.plan.dataset_size and not self._reached(total_steps):
+                    loss, data_wait, step_time = self._step(feed)
+                    window.add(loss, data_wait)
+                    if (self.distributed and self.first_start
+                            and self.progress.step - self.first_step == cfg.distributed.warmup_steps):
+                        elastic.shorten_timeout(cfg.distributed.timeout_s)
+                    self._recent_step_s = step_time if self._recent_step_s is None else (
+                        0.9 * self._recent_step_s + 0.1 * step_time)
+                    stop_now, notice, save_now = self._agree(loss)
+                    if self.progress.step % cfg.train.log_every_steps == 0:
+                        last_loss = self._report(window, flops_per_sample)
+                    if stop_now:
+                        self._save(synchronous=True, reason="stop")
+                        stopped = True
+                        break
+                    if notice:
+                        self.spot.acted()
+                        self._save(synchronous=True, reason="spot-notice")
+                    elif save_now:
+                        self._save(synchronous=False)
+                    self._keep_loss_bound()
+            finally:
+                feed.close()  # a fetch in flight ends before its loader does
+            del feed, loader
             if stopped:
                 break
             if self.progress.offset >= self.plan.dataset_size:
                 self.progress.epoch += 1
                 self.progress.offset = 0
+        if self.distributed:
+            self.agreement.settle()
         if not stopped:
             if window.steps:
                 last_loss = self._report(window, flops_per_sample)
@@ -374,16 +386,23 @@ class Trainer:
     def _agree(self, loss: Tensor) -> tuple[bool, bool, bool]:
         """Stop? Spot notice? Save now? And is the loss finite? All in the step's one tiny all-reduce.
 
-        The finiteness of the loss rides along as a device tensor, so it costs no host sync of
-        its own; in a single process it is checked at the next report or save instead.
+        With several ranks the all-reduce is read one step late (:class:`elastic.LaggedAgreement`),
+        so the host never waits here for the device: a SIGTERM during step n checkpoints after
+        step n + 1 on every rank (0 steps lost), and rank 0 asks one step ahead for the saves, so
+        checkpoints land on the same steps as before. The finiteness of the loss rides along as a
+        device tensor; in a single process it is checked at the next report or save instead.
         """
         not_finite = ~torch.isfinite(loss)
-        save_due = self.rank == 0 and self._save_due()
         if not self.distributed:
             self._nonfinite = not_finite if self._nonfinite is None else self._nonfinite | not_finite
-            return self.stop.requested, self.spot.pending, save_due
-        stop_now, notice, save_now, diverged = elastic.any_rank(
-            self.stop.requested, self.spot.pending, save_due, not_finite, device=self._flag_device())
+            return self.stop.requested, self.spot.pending, self.rank == 0 and self._save_due()
+        save_next = self.rank == 0 and self._save_due(steps_ahead=1)
+        if save_next:
+            self._save_asked_for = self.progress.step + 1
+        agreed = self.agreement.exchange(self.stop.requested, self.spot.pending, save_next, not_finite)
+        if agreed is None:  # the first step of this attempt: nothing was asked a step ago
+            return False, False, False
+        stop_now, notice, save_now, diverged = agreed
         if diverged:
             raise self._diverged()
         return stop_now, notice, save_now
@@ -406,7 +425,7 @@ class Trainer:
         flags = [torch.isfinite(p).all() for p in self.module.parameters()]
         return bool(torch.stack(flags).all()) if flags else True
 
-    def _step(self, batches) -> tuple[Tensor, float, float]:
+    def _step(self, feed: DeviceFeed) -> tuple[Tensor, float, float]:
         cfg = self.config
         started = time.perf_counter()
         if cfg.train.max_steps:
@@ -424,32 +443,32 @@ class Trainer:
         # samples of the global batch, whatever the world size and the padding.
         scale = self.world_size / real
         loss_sum = torch.zeros((), device=self.runtime.device)
-        data_wait = 0.0
         ids: list[int] = []
         skipped: list[int] = []
         for micro in range(self.layout.accumulation):
-            wait_started = time.perf_counter()
-            inputs, target, index, weight, problems = next(batches)
-            data_wait += time.perf_counter() - wait_started
-            if any(problems):
-                skipped += self._skip(index, problems)
+            batch = feed.take()
+            if any(batch.problems):
+                skipped += self._skip(batch.index, batch.problems)
             if self.sample_log:
-                ids += index[weight > 0].tolist()
-            inputs, target, weight = move((inputs, target, weight), self.runtime, self.channels_last)
+                ids += batch.index[batch.host_weight > 0].tolist()
             final = micro == self.layout.accumulation - 1
             no_sync = self.model.no_sync() if self.distributed and not final else contextlib.nullcontext()
             with no_sync:
                 with self.runtime.autocast(cfg.train.precision):
-                    losses = per_sample_loss(self.model, inputs, target, self.config.model.is_masked_lm)
-                loss = (losses * weight.to(losses.dtype)).sum() * scale
+                    losses = per_sample_loss(self.model, batch.inputs, batch.target, self.config.model.is_masked_lm)
+                loss = (losses * batch.weight.to(losses.dtype)).sum() * scale
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach() / self.world_size
+            if not final:
+                feed.ahead()  # the next micro-batch's copy runs while this backward computes
         if cfg.optim.grad_clip_norm:
             self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.module.parameters(), cfg.optim.grad_clip_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        feed.ahead()  # the next step's first batch, while this one's work runs on the device
+        data_wait, feed.data_wait_s = feed.data_wait_s, 0.0
         self.runtime.mark_step()
         if self.sample_log:
             extra = f', "skipped": {skipped}' if skipped else ""
@@ -529,12 +548,20 @@ class Trainer:
 
     # --- checkpoints -----------------------------------------------------------------------
 
-    def _save_due(self) -> bool:
-        """Rank 0: start a save now? Early enough that it is on disk by one interval after the last one."""
+    def _save_due(self, steps_ahead: int = 0) -> bool:
+        """Rank 0: start a save now (or that many steps ahead)? Early enough that it is on disk by
+        one interval after the last one."""
         if self.checkpoints.in_flight:
             return False
         interval = self.config.checkpoint.interval_steps
-        return self.progress.step - self._durable_step >= max(1, interval - self._write_lead)
+        durable = self._durable_step
+        if steps_ahead and self._save_asked_for == self.progress.step:
+            # The save asked for this step starts right after this question: a step later it is
+            # still being written (asynchronous), or on disk.
+            if self.checkpoints.async_save:
+                return False
+            durable = self.progress.step
+        return self.progress.step + steps_ahead - durable >= max(1, interval - self._write_lead)
 
     def _keep_loss_bound(self) -> None:
         """Rank 0, before the next step: never train more than one interval past the newest checkpoint on disk.

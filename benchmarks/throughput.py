@@ -1,0 +1,391 @@
+"""One run, one table: the trainer against a bare loop on the same device, side by side.
+
+    python benchmarks/throughput.py [--sections resnet,jpeg,bert] [--before OLD_CHECKOUT] [--json FILE]
+
+Every figure is wall clock between synchronized points. The bare loop runs zero_grad, forward,
+backward and step on one batch that already sits on the device; the trainer runs as users run
+it (``python -m training train``, in its own process) and its rate is read from the timestamps
+of its own step events, which follow a device sync. Sizes follow the device: ResNet-50 at
+224 px, batch 256, bf16 on a GPU; ResNet-18 at 64 px, batch 16, fp32 on a CPU.
+
+Sections:
+  resnet  synthetic uint8 images through the loader, eager and torch.compile, against the bare loop
+  jpeg    ImageNet-like JPEGs (500x375, ~100 KB) with --workers loader workers: decoded on the device
+          (nvJPEG) and in the workers (Pillow), each against the compiled bare loop
+  bert    BERT-base and BERT-large against the bare loop; the masked-only MLM head against every position
+
+``--before`` names a checkout of an older commit: its trainer runs the same rows, for before/after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from training.bench import bare_loop, compare_mlm_heads  # noqa: E402
+from training.config import load_train_config  # noqa: E402
+
+
+@dataclass
+class Sizes:
+    model: str
+    image_size: int
+    batch: int
+    precision: str
+    workers: int
+    warmup: int
+    steps: int
+    bert_batch: dict[str, int]
+    seq_len: int
+
+
+GPU = Sizes("resnet50", 224, 256, "bf16", 12, 15, 40, {"bert_base": 64, "bert_large": 32}, 128)
+CPU = Sizes("resnet18", 64, 16, "fp32", 2, 3, 10, {"bert_base": 4}, 64)
+
+
+def trainer_rate(tree: Path, overrides: list[str], batch: int, warmup: int, steps: int,
+                 env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Samples/s of ``python -m training train`` in ``tree``, between its step events at
+    ``warmup`` and ``warmup + steps`` (each follows a device sync), and the share of that time
+    it waited for input."""
+    with tempfile.TemporaryDirectory() as scratch:
+        args = [*overrides, f"--train.max_steps={warmup + steps}", f"--train.log_every_steps={warmup}",
+                f"--train.micro_batch_size={batch}", f"--train.global_batch_size={batch}",
+                f"--checkpoint.dir={scratch}/ckpt", "--checkpoint.interval_steps=1000000",
+                f"--metrics.jsonl_path={scratch}/metrics.jsonl", "--metrics.stdout=json"]
+        done = subprocess.run([sys.executable, "-m", "training", "train", *args], cwd=tree, capture_output=True,
+                              text=True, timeout=900, env={**os.environ, **(env or {})})
+        if done.returncode:
+            raise RuntimeError(f"trainer in {tree} exited {done.returncode}: {done.stderr.strip()[-600:]}")
+        steps_seen = [r for r in map(json.loads, Path(f"{scratch}/metrics.jsonl").read_text().splitlines())
+                      if r["event"] == "step"]
+    first, last = steps_seen[0], steps_seen[-1]
+    return (last["step"] - first["step"]) * batch / (last["time"] - first["time"]), last.get("data_wait_pct", 0.0)
+
+
+def common(sizes: Sizes, device: str, model: str | None = None) -> list[str]:
+    model = model or sizes.model
+    return [f"--model.name={model}", f"--model.image_size={sizes.image_size}", "--model.num_classes=1000",
+            f"--train.precision={sizes.precision}", f"--train.device={device}", "--optim.name=sgd"]
+
+
+def bare_rate(overrides: list[str], batch: int, warmup: int, steps: int) -> float:
+    config = load_train_config(None, [*overrides, f"--train.micro_batch_size={batch}",
+                                      f"--train.global_batch_size={batch}"])
+    rate = bare_loop(config, steps, warmup)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rate
+
+
+class Table:
+    def __init__(self, device_name: str, json_path: str | None):
+        self.rows: list[dict] = []
+        self.device_name, self.json_path = device_name, json_path
+
+    def add(self, what: str, reference: str, reference_rate: float, rate: float, goal: float | None = None,
+            **extra) -> None:
+        row = {"what": what, "reference": reference, "reference_samples_per_s": round(reference_rate, 1),
+               "samples_per_s": round(rate, 1), "ratio": round(rate / reference_rate, 3), "goal": goal, **extra}
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+        if self.json_path:
+            Path(self.json_path).write_text(json.dumps({"device": self.device_name, "rows": self.rows}, indent=1))
+
+    def render(self) -> str:
+        today = datetime.date.today().isoformat()
+        lines = [f"{self.device_name}, torch {torch.__version__}, {today}", "",
+                 "| what | reference | reference samples/s | samples/s | ratio | goal |", "|---|---|---|---|---|---|"]
+        for r in self.rows:
+            goal = f"≥ {r['goal']}" if r["goal"] else ""
+            lines.append(f"| {r['what']} | {r['reference']} | {r['reference_samples_per_s']:,.0f} | "
+                         f"{r['samples_per_s']:,.0f} | {r['ratio']:.3f} | {goal} |")
+        return "\n".join(lines)
+
+
+def resnet(table: Table, sizes: Sizes, device: str, before: Path | None, repeats: int,
+           lean: bool = False) -> dict[str, float]:
+    if not lean:
+        loader_rate(table, sizes, [*common(sizes, device), f"--data.num_workers={sizes.workers}"],
+                f"synthetic uint8 images, {sizes.workers} workers")
+    bare_compiled = {}
+    for compiled in (False, True) if device == "cuda" else (False,):  # inductor on a CPU: minutes, not the point
+        mode = "compiled" if compiled else "eager"
+        overrides = [*common(sizes, device), f"--model.compile={str(compiled).lower()}"]
+        bare, trainer, old, wait = [], [], [], []
+        for _ in range(repeats):  # alternating, so drift hits both alike
+            bare.append(bare_rate(overrides, sizes.batch, sizes.warmup, sizes.steps))
+            rate, waited = trainer_rate(REPO, [*overrides, f"--data.num_workers={sizes.workers}"], sizes.batch,
+                                        sizes.warmup, sizes.steps)
+            trainer.append(rate)
+            wait.append(waited)
+            if before:
+                old.append(trainer_rate(before, [*overrides, f"--data.num_workers={sizes.workers}"], sizes.batch,
+                                        sizes.warmup, sizes.steps)[0])
+        bare_median = statistics.median(bare)
+        bare_compiled[mode] = bare_median
+        name = f"{sizes.model} {sizes.image_size}px b{sizes.batch} {sizes.precision}, synthetic, {mode}"
+        if before:
+            table.add(f"{name}: trainer before", f"bare loop, {mode}", bare_median, statistics.median(old),
+                      runs=[round(x, 1) for x in old])
+        table.add(f"{name}: trainer", f"bare loop, {mode}", bare_median, statistics.median(trainer), 0.97,
+                  runs=[round(x, 1) for x in trainer], bare_runs=[round(x, 1) for x in bare], data_wait_pct=wait)
+    return bare_compiled
+
+
+def jpeg(table: Table, sizes: Sizes, device: str, before: Path | None, bare_compiled: float | None,
+         images: int | None, lean: bool = False) -> None:
+    from training.imagenet import write_sample_jpegs
+
+    count = images or sizes.batch * (sizes.warmup + sizes.steps + 2)  # one epoch covers the measurement
+    with tempfile.TemporaryDirectory() as root:
+        megabytes = write_sample_jpegs(root, count, classes=100) / 2**20
+        overrides = [*common(sizes, device), "--data.kind=imagefolder", f"--data.path={root}",
+                     f"--data.num_workers={sizes.workers}"]
+        mode = "compiled" if device == "cuda" else "eager"
+        overrides.append(f"--model.compile={str(device == 'cuda').lower()}")
+        if not lean or bare_compiled is None:
+            # The reference computes on these JPEGs too (measured: within 0.5 % of synthetic images).
+            bare_compiled = bare_rate(overrides, sizes.batch, sizes.warmup, sizes.steps)
+        if not lean:
+            decoder_rate(table, root, sizes, device)
+            for decode in ("device", "loader"):
+                loader_rate(table, sizes, [*overrides, f"--data.decode={decode}"], f"JPEGs, decode={decode}")
+        where = f"{count} JPEGs ({megabytes / count * 1024:.0f} KiB avg), {sizes.workers} workers, {mode}"
+        # An experiment: the GIL's switch interval at 1 ms instead of 5 (a sitecustomize sets it).
+        switch = Path(root).parent / f"{Path(root).name}-switch"
+        switch.mkdir()
+        (switch / "sitecustomize.py").write_text("import sys\nsys.setswitchinterval(0.001)\n")
+        fast_switch = {"PYTHONPATH": os.pathsep.join(filter(None, [str(switch), os.environ.get("PYTHONPATH")]))}
+        variants = [("device", None, ""), ("device", fast_switch, ", GIL switch 1 ms"), ("loader", None, "")]
+        for decode, env, note in variants[:1] if lean else variants:
+            rate, waited = trainer_rate(REPO, [*overrides, f"--data.decode={decode}"], sizes.batch, sizes.warmup,
+                                        sizes.steps, env)
+            table.add(f"{sizes.model} on {where}: decode={decode}{note}", f"bare loop, {mode}", bare_compiled, rate,
+                      0.9 if decode == "device" and device == "cuda" else None, data_wait_pct=waited)
+        if before:
+            rate = trainer_rate(before, overrides, sizes.batch, sizes.warmup, sizes.steps)[0]
+            table.add(f"{sizes.model} on {where}: trainer before (Pillow)", f"bare loop, {mode}", bare_compiled,
+                      rate)
+
+
+def decoder_rate(table: Table, root: str, sizes: Sizes, device: str, batches: int = 8) -> None:
+    """Images/s of the device decoder alone (decode, crop, resize), against Pillow on one core."""
+    import time
+
+    from training.data import ImageFolder, Keyed
+    from training.decode import PillowDecoder, build_decoder, collate
+    from training.device import detect
+    from training.sampler import SampleKey
+
+    runtime = detect(device)
+    dataset = Keyed(ImageFolder(root, sizes.image_size, encoded=True))
+    batch = collate([dataset[SampleKey(i, 1.0, i)] for i in range(sizes.batch)])[0]
+    rates = {}
+    device_decoder = build_decoder("device", runtime.kind)
+    if hasattr(device_decoder, "_decode_all"):  # nvJPEG alone, without the crops
+        device_decoder._decode_all(batch.data, runtime.device)
+        runtime.synchronize()
+        started = time.perf_counter()
+        for _ in range(batches):
+            device_decoder._decode_all(batch.data, runtime.device)
+        runtime.synchronize()
+        table.add(f"nvJPEG decode alone, {len(batch)} JPEGs", "Pillow, one core", 1.0,
+                  batches * len(batch) / (time.perf_counter() - started))
+    for name, decoder in (("device", device_decoder), ("pillow", PillowDecoder())):
+        rounds = batches if name == "device" else 1
+        decoder(batch, sizes.image_size, runtime.device)  # warm-up: handles, kernels
+        runtime.synchronize()
+        started = time.perf_counter()
+        for _ in range(rounds):
+            decoder(batch, sizes.image_size, runtime.device)
+        runtime.synchronize()
+        rates[name] = rounds * len(batch) / (time.perf_counter() - started)
+    table.add(f"decode + crop of {len(batch)} JPEGs: {type(build_decoder('device', runtime.kind)).__name__}",
+              "Pillow, one core", rates["pillow"], rates["device"])
+
+
+def loader_rate(table: Table, sizes: Sizes, overrides: list[str], label: str, batches: int = 40) -> None:
+    """Batches/s of the DataLoader alone (workers, collation, pinning), no model: the input ceiling."""
+    import time
+
+    from training.data import build_dataset, build_loader
+    from training.sampler import ElasticBatchPlan, Layout, MicroBatchSampler
+
+    config = load_train_config(None, [*overrides, f"--train.micro_batch_size={sizes.batch}",
+                                      f"--train.global_batch_size={sizes.batch}"])
+    dataset = build_dataset(config, encoded=config.data.decode == "device")
+    plan = ElasticBatchPlan(len(dataset), sizes.batch, 0)
+    loader = build_loader(dataset, MicroBatchSampler(plan, 0, 0, 0, Layout(1, 1, sizes.batch)), config,
+                          pin_memory=torch.cuda.is_available())
+    batches = min(batches, len(loader) - 5)
+    iterator = iter(loader)
+    for _ in range(5):
+        next(iterator)
+    started = time.perf_counter()
+    for _ in range(batches):
+        next(iterator)
+    rate = batches * sizes.batch / (time.perf_counter() - started)
+    del iterator, loader
+    table.add(f"loader alone: {label}", "reference 1 sample/s", 1.0, rate)
+
+
+def feed_overhead(table: Table, sizes: Sizes, device: str, steps: int = 40, rounds: int = 2) -> None:
+    """Where the trainer's input costs time: the bare loop's step on one model, fed three ways,
+    alternately: one batch already on the device; fresh pinned batches through DeviceFeed (the
+    copy, normalization and feed thread); the real DataLoader through DeviceFeed."""
+    import itertools
+    import time
+
+    from training.bench import _single_batch
+    from training.data import build_dataset, build_loader
+    from training.device import DeviceFeed, detect, move
+    from training.models import build_model
+    from training.sampler import ElasticBatchPlan, Layout, MicroBatchSampler
+    from training.trainer import compile_with_fallback, per_sample_loss
+
+    config = load_train_config(None, [*common(sizes, device), f"--data.num_workers={sizes.workers}",
+                                      f"--train.micro_batch_size={sizes.batch}", f"--train.global_batch_size={sizes.batch}"])
+    runtime = detect(device)
+    model = build_model(config.model.name, 1000, sizes.image_size).to(runtime.device).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    if device == "cuda":
+        model = compile_with_fallback(model)
+    host_inputs, host_target = _single_batch(config)
+    fixed = move((host_inputs, host_target), runtime, True)
+    pinned = [(host_inputs.roll(i, 0).pin_memory() if device == "cuda" else host_inputs.roll(i, 0), host_target,
+               torch.arange(sizes.batch), torch.ones(sizes.batch), [""] * sizes.batch) for i in range(8)]
+    dataset = build_dataset(config)
+    plan = ElasticBatchPlan(len(dataset), sizes.batch, 0)
+
+    def step(inputs, target):
+        optimizer.zero_grad(set_to_none=True)
+        with runtime.autocast(sizes.precision):
+            loss = per_sample_loss(model, inputs, target, False).mean()
+        loss.backward()
+        optimizer.step()
+
+    def timed(next_batch) -> float:
+        for i in range(sizes.warmup + steps):
+            if i == sizes.warmup:
+                runtime.synchronize()
+                started = time.perf_counter()
+            step(*next_batch())
+        runtime.synchronize()
+        return steps * sizes.batch / (time.perf_counter() - started)
+
+    def through(feed: DeviceFeed):
+        def next_batch():
+            batch = feed.take()
+            feed.ahead()
+            return batch.inputs, batch.target
+        return next_batch
+
+    import sys as _sys
+
+    def loader_variant(pin_in_loader: bool, pin_in_feed: bool, switch_interval: float | None = None):
+        def run() -> float:
+            default = _sys.getswitchinterval()
+            if switch_interval:
+                _sys.setswitchinterval(switch_interval)
+            loader = build_loader(dataset, MicroBatchSampler(plan, 0, 0, 0, Layout(1, 1, sizes.batch)), config,
+                                  pin_memory=pin_in_loader and device == "cuda")
+            feed = DeviceFeed(loader, runtime, True, pin=pin_in_feed and device == "cuda")
+            try:
+                return timed(through(feed))
+            finally:
+                feed.close()
+                _sys.setswitchinterval(default)
+        return run
+
+    def fresh() -> float:
+        feed = DeviceFeed(itertools.cycle(pinned), runtime, True)
+        try:
+            return timed(through(feed))
+        finally:
+            feed.close()
+
+    variants = {
+        "one batch on the device": lambda: timed(lambda: fixed),
+        "fresh pinned batches via DeviceFeed": fresh,
+        "DataLoader (pins) + DeviceFeed": loader_variant(True, False),
+        "DataLoader + DeviceFeed (pins)": loader_variant(False, True),
+        "DataLoader + DeviceFeed, pageable copy": loader_variant(False, False),
+        "DataLoader (pins) + DeviceFeed, GIL switch 1 ms": loader_variant(True, False, 0.001),
+    }
+    rates: dict[str, list[float]] = {label: [] for label in variants}
+    for _ in range(rounds):
+        for label, run in variants.items():
+            rates[label].append(run())
+    reference = statistics.median(rates["one batch on the device"])
+    for label, values in rates.items():
+        table.add(f"bare step, {label}", "one batch on the device", reference, statistics.median(values),
+                  runs=[round(v, 1) for v in values])
+
+
+def bert(table: Table, sizes: Sizes, device: str, before: Path | None, repeats: int) -> None:
+    for name, batch in sizes.bert_batch.items():
+        overrides = [f"--model.name={name}", f"--data.seq_len={sizes.seq_len}", f"--train.precision={sizes.precision}",
+                     f"--train.device={device}", "--optim.name=sgd"]
+        bare, trainer, old = [], [], []
+        for _ in range(repeats):
+            bare.append(bare_rate(overrides, batch, sizes.warmup, sizes.steps))
+            trainer.append(trainer_rate(REPO, [*overrides, "--data.num_workers=4"], batch, sizes.warmup,
+                                        sizes.steps)[0])
+            if before:
+                old.append(trainer_rate(before, [*overrides, "--data.num_workers=4"], batch, sizes.warmup,
+                                        sizes.steps)[0])
+        label = f"{name} b{batch}x{sizes.seq_len} {sizes.precision}"
+        if before:
+            table.add(f"{label}: trainer before", "bare loop", statistics.median(bare), statistics.median(old))
+        table.add(f"{label}: trainer", "bare loop", statistics.median(bare), statistics.median(trainer), 0.97)
+        heads = compare_mlm_heads(name, batch, sizes.seq_len, 5, torch.device(device), sizes.precision)
+        table.add(f"{label}: MLM head at masked positions", "head at every position",
+                  batch / heads["every position"], batch / heads["masked only"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="resnet,jpeg,bert")
+    parser.add_argument("--before", type=Path, help="a checkout of an older commit, run the same way")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--images", type=int, help="JPEGs to write (default: one epoch covers the measurement)")
+    parser.add_argument("--json", help="write the rows here as they come")
+    parser.add_argument("--lean", action="store_true",
+                        help="only the trainer-against-bare rows (no loader, decoder or variant diagnostics)")
+    args = parser.parse_args()
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    cuda = torch.cuda.is_available()
+    device, sizes = ("cuda", GPU) if cuda else ("cpu", CPU)
+    table = Table(torch.cuda.get_device_name(0) if cuda else f"CPU, {os.cpu_count()} cores", args.json)
+    sections = args.sections.split(",")
+    bare_compiled = None
+    if "resnet" in sections:
+        bare_rates = resnet(table, sizes, device, args.before, args.repeats, args.lean)
+        bare_compiled = bare_rates.get("compiled", bare_rates.get("eager"))
+    if "feed" in sections:
+        feed_overhead(table, sizes, device)
+    if "jpeg" in sections:
+        jpeg(table, sizes, device, args.before, bare_compiled, args.images, args.lean)
+    if "bert" in sections:
+        bert(table, sizes, device, args.before, args.repeats)
+    print(table.render())
+
+
+if __name__ == "__main__":
+    main()

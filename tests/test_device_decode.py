@@ -1,0 +1,172 @@
+"""Decoding on the device (``data.decode=device``): the workers send JPEG bytes and each sample's
+crop; an ImageDecoder turns the batch into pixels. The CPU implementation of that interface is
+tested here against the Pillow-in-the-workers path; nvJPEG's is tested the same way where CUDA
+and torchvision's GPU decoder are present (the GPU image, or a GPU machine)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from training.config import load_train_config
+from training.data import ImageFolder, Keyed, apply_crop, random_crop
+from training.decode import EncodedImages, PillowDecoder, build_decoder, collate, nvjpeg_available
+from training.device import DeviceFeed, detect
+from training.imagenet import natural_image
+from training.sampler import SampleKey
+
+
+@pytest.fixture
+def folder(tmp_path):
+    tmp_path = tmp_path / "images"
+    tmp_path.mkdir()
+    for label in range(2):
+        (tmp_path / f"c{label}").mkdir()
+        for i in range(5):
+            pixels = natural_image(10 * label + i, 60 + 7 * i, 80 - 5 * i)
+            Image.fromarray(pixels).save(tmp_path / f"c{label}" / f"{i}.jpg", quality=90)
+        Image.fromarray(natural_image(label, 50, 50)).save(tmp_path / f"c{label}" / "z.png")  # the worker decodes it
+    Image.fromarray(natural_image(99, 40, 60)[..., 0]).save(tmp_path / "c1" / "gray.jpg")
+    return tmp_path
+
+
+def keys(n: int) -> list[SampleKey]:
+    return [SampleKey(i, 1.0, seed=100 + i) for i in range(n)]
+
+
+def test_the_crop_is_drawn_from_the_seed_and_the_file_size_alone():
+    assert random_crop(375, 500, seed=3) == random_crop(375, 500, seed=3)
+    crops = {random_crop(375, 500, seed=s) for s in range(50)}
+    assert len(crops) == 50 and {c.flip for c in crops} == {True, False}
+    for crop in crops:
+        assert 0 <= crop.top and crop.top + crop.height <= 375 and 0 <= crop.left and crop.left + crop.width <= 500
+
+
+def test_the_cpu_decoder_gives_the_workers_pixels_and_labels_exactly(folder):
+    pillow = ImageFolder(folder, image_size=32)
+    encoded = ImageFolder(folder, image_size=32, encoded=True)
+    samples = [Keyed(encoded)[key] for key in keys(len(encoded))]
+    batch = collate(samples)
+    assert isinstance(batch[0], EncodedImages)
+    assert len(batch[0].ready) == 3  # the PNGs and the grayscale JPEG arrive decoded; colour JPEGs as bytes
+    pixels, problems = PillowDecoder()(batch[0], 32, torch.device("cpu"))
+    assert problems == {}
+    for key, image, label in zip(keys(len(pillow)), pixels, batch[1].tolist()):
+        expected, expected_label = pillow[key]
+        assert torch.equal(image, expected) and label == expected_label
+
+
+def test_a_file_that_fails_to_decode_is_padding_named_and_counted(folder):
+    broken = folder / "c0" / "1.jpg"
+    broken.write_bytes(broken.read_bytes()[:600])  # a valid header, a truncated body
+    dataset = ImageFolder(folder, image_size=32, encoded=True)
+    position = [path for path, _ in dataset.samples].index(broken)
+    batch = collate([Keyed(dataset)[key] for key in keys(len(dataset))])
+    feed = DeviceFeed([batch], detect("cpu"), channels_last=True, decoder=PillowDecoder(), image_size=32)
+    taken = feed.take()
+    assert taken.weight[position] == 0 and taken.weight.sum() == len(dataset) - 1
+    assert str(broken) in taken.problems[position]
+    assert [i for i, p in enumerate(taken.problems) if p] == [position]
+
+
+def test_the_feed_hands_out_every_batch_once_in_order_and_counts_the_wait():
+    runtime = detect("cpu")
+    batches = [(torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8), torch.tensor([i, i]), torch.tensor([i, i]),
+                torch.ones(2), ["", ""]) for i in range(3)]
+    feed = DeviceFeed(batches, runtime, channels_last=True)
+    taken = [feed.take() for _ in range(3)]
+    assert [b.target.tolist() for b in taken] == [[0, 0], [1, 1], [2, 2]]
+    assert taken[0].inputs.dtype == torch.float32 and taken[0].inputs.shape == (2, 3, 4, 4)
+    feed.ahead()  # nothing left: no error, and take says so
+    with pytest.raises(StopIteration):
+        feed.take()
+    assert feed.data_wait_s >= 0
+
+
+def test_decode_settings_pick_the_decoder():
+    assert build_decoder("loader", "cpu") is None
+    assert isinstance(build_decoder("device", "cpu"), PillowDecoder)
+
+
+def test_training_with_device_decode_equals_training_with_worker_decode(folder, tmp_path):
+    from training.trainer import Trainer
+
+    def run(decode: str) -> dict:
+        work = tmp_path / decode
+        config = load_train_config(None, [
+            "--data.kind=imagefolder", f"--data.path={folder}", f"--data.decode={decode}", "--data.num_workers=2",
+            "--model.name=mlp", "--model.image_size=16", "--model.num_classes=2", "--train.global_batch_size=4",
+            "--train.micro_batch_size=2", "--train.max_steps=4", "--train.precision=fp32", "--train.device=cpu",
+            "--train.log_every_steps=1", f"--checkpoint.dir={work}/ckpt", f"--metrics.jsonl_path={work}/m.jsonl",
+        ])
+        Trainer(config).run()
+        losses = [r["loss"] for r in map(json.loads, (work / "m.jsonl").read_text().splitlines())
+                  if r["event"] == "step"]
+        weights = torch.load(next((work / "ckpt").glob("step-*.pt")), weights_only=True)["model"]
+        return {"losses": losses, "weights": weights}
+
+    device, loader = run("device"), run("loader")
+    assert len(device["losses"]) == 4 and device["losses"] == loader["losses"]
+    assert all(torch.equal(device["weights"][k], loader["weights"][k]) for k in loader["weights"])
+
+
+@pytest.mark.skipif(not nvjpeg_available(), reason="needs CUDA and torchvision's nvJPEG (the GPU image)")
+@pytest.mark.parametrize("subsampling, mean_bound", [(0, 1.5), (2, 6.0)])
+def test_nvjpeg_gives_pillows_samples_within_interpolation_tolerance(folder, subsampling, mean_bound):
+    from training.decode import NvjpegDecoder
+
+    for path in folder.glob("*/*.jpg"):  # 4:4:4, or 4:2:0 (most photographs, ImageNet's too)
+        with Image.open(path) as image:
+            image.convert(image.mode).save(path, quality=90, subsampling=subsampling)
+    pillow = ImageFolder(folder, image_size=64)
+    batch = collate([Keyed(ImageFolder(folder, 64, encoded=True))[key] for key in keys(len(pillow))])
+    pixels, problems = NvjpegDecoder()(batch[0], 64, torch.device("cuda"))
+    assert problems == {} and pixels.device.type == "cuda"
+    expected = torch.stack([pillow[key][0] for key in keys(len(pillow))])
+    difference = (pixels.cpu().float() - expected.float()).abs()
+    per_image = [(Path(s).name, round(float(d.mean()), 2), float(d.max())) for s, d in zip(batch[0].sources, difference)]
+    print(subsampling, per_image)
+    # The crop is the same; the decoders differ by their IDCT's rounding and, with 4:2:0, by how
+    # they upsample chroma (libjpeg interpolates, nvJPEG replicates), largest at sharp colour edges.
+    assert all(mean < mean_bound for _, mean, _ in per_image), per_image
+    assert torch.equal(batch[1], torch.tensor([pillow[k][1] for k in keys(len(pillow))]))
+
+
+def test_apply_crop_flips_and_resizes():
+    image = torch.arange(3 * 4 * 6, dtype=torch.uint8).reshape(3, 4, 6)
+    from training.data import Crop
+
+    same = apply_crop(image, Crop(0, 0, 4, 6), 4)
+    assert same.shape == (4, 4, 3)
+    flipped = apply_crop(image, Crop(0, 0, 4, 6, flip=True), 4)
+    assert torch.equal(flipped, same.flip(1))
+
+
+def test_a_background_feed_hands_out_the_same_batches_and_raises_what_the_loader_raised(folder):
+    dataset = Keyed(ImageFolder(folder, image_size=16, encoded=True))
+    batches = [collate([dataset[key] for key in keys(len(dataset))[i : i + 4]]) for i in (0, 4, 8)]
+    runtime = detect("cpu")
+    inline = DeviceFeed(batches, runtime, True, PillowDecoder(), 16, background=False)
+    threaded = DeviceFeed(batches, runtime, True, PillowDecoder(), 16, background=True)
+    for _ in batches:
+        a, b = inline.take(), threaded.take()
+        threaded.ahead()
+        assert torch.equal(a.inputs, b.inputs) and torch.equal(a.target, b.target)
+    with pytest.raises(StopIteration):
+        threaded.take()
+    threaded.close()
+
+    def broken():
+        yield batches[0]
+        raise RuntimeError("DataLoader worker (pid 42) is killed by signal")
+
+    feed = DeviceFeed(broken(), runtime, True, PillowDecoder(), 16, background=True)
+    feed.take()
+    feed.ahead()
+    with pytest.raises(RuntimeError, match="killed by signal"):
+        feed.take()
+    feed.close()

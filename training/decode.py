@@ -1,0 +1,189 @@
+"""Where image files become pixels: in the loader's workers with Pillow, or on the device.
+
+With ``data.decode=device`` a worker only reads the file and draws the sample's crop and flip
+from its seed (:func:`training.data.random_crop`); the bytes travel still encoded (a fifth of
+the decoded image), and an :class:`ImageDecoder` in the training process turns the whole batch
+into uint8 NHWC pixels on the device. The crops are the same either way, so both paths train on
+the same samples and labels; the values are equal for 4:4:4 JPEGs and differ by a few levels for
+4:2:0 ones, where nvJPEG and libjpeg upsample chroma differently (tests/test_device_decode.py,
+run on an H100). Grayscale, CMYK and PNG files are decoded by the worker, as before.
+
+Two decoders share one small interface: :class:`NvjpegDecoder` (nvJPEG through
+``torchvision.io.decode_jpeg(device="cuda")``, in the GPU image) and :class:`PillowDecoder`
+(Pillow on the CPU: the reference, and what tests and CPU runs use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from torch.utils.data import default_collate
+
+from training.data import Crop, apply_crop
+from training.device import DeviceError
+
+
+@dataclass
+class EncodedImage:
+    """One sample as a worker leaves it: the file's bytes and its crop, or, for what the device
+    cannot decode (PNG, CMYK), the finished pixels."""
+
+    data: Tensor  # uint8 [n], the file as it is on disk
+    crop: Crop | None
+    ready: Tensor | None = None  # uint8 [size, size, 3], already decoded and cropped in the worker
+    source: str = ""
+
+
+@dataclass
+class EncodedImages:
+    """A batch of :class:`EncodedImage`, the files end to end in one buffer: one tensor for the
+    worker to share and the loader to pin, not one per image (hundreds of shared-memory files a
+    batch would cap the workers at a few thousand images a second)."""
+
+    buffer: Tensor  # uint8, every file's bytes end to end
+    lengths: list[int]
+    crops: list[Crop | None]
+    ready: dict[int, Tensor] = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, images: list[EncodedImage]) -> "EncodedImages":
+        return cls(torch.cat([image.data for image in images]), [image.data.numel() for image in images],
+                   [image.crop for image in images],
+                   {i: image.ready for i, image in enumerate(images) if image.ready is not None},
+                   [image.source for image in images])
+
+    @property
+    def data(self) -> list[Tensor]:
+        """Each file's bytes: views into the buffer."""
+        return list(torch.split(self.buffer, self.lengths))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def pin_memory(self) -> "EncodedImages":
+        # Pinned bytes let nvJPEG's copy to the device run without a staging copy.
+        return EncodedImages(self.buffer.pin_memory(), self.lengths, self.crops,
+                             {i: r.pin_memory() for i, r in self.ready.items()}, self.sources)
+
+    def one(self, i: int) -> "EncodedImages":
+        data = self.data[i]
+        return EncodedImages(data, [data.numel()], [self.crops[i]], {}, [self.sources[i]])
+
+
+def collate(samples: list[tuple[Any, ...]]) -> Any:
+    """The default collation, except that encoded images stay a list (their lengths differ)."""
+    if samples and isinstance(samples[0][0], EncodedImage):
+        return (EncodedImages.of([s[0] for s in samples]), *default_collate([s[1:] for s in samples]))
+    return default_collate(samples)
+
+
+class ImageDecoder(Protocol):
+    """Encoded images to uint8 [N, size, size, 3] on ``device``, and the positions that could not
+    be decoded (their pixels are zeros), each with the reason."""
+
+    def __call__(self, batch: EncodedImages, size: int, device: torch.device) -> tuple[Tensor, dict[int, str]]: ...
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+class PillowDecoder:
+    """The reference decoder: Pillow on the CPU, then the crop; the batch is copied to ``device``."""
+
+    def __call__(self, batch: EncodedImages, size: int, device: torch.device) -> tuple[Tensor, dict[int, str]]:
+        from training.data import decode_bytes
+
+        out = torch.zeros(len(batch), size, size, 3, dtype=torch.uint8)
+        problems: dict[int, str] = {}
+        for i, (data, crop) in enumerate(zip(batch.data, batch.crops)):
+            if i in batch.ready:
+                out[i] = batch.ready[i]
+                continue
+            try:
+                out[i] = apply_crop(decode_bytes(data.numpy().tobytes()), crop, size)
+            except Exception as exc:  # noqa: BLE001 - whatever Pillow raises for a bad file, the run goes on
+                problems[i] = f"{batch.sources[i]}: {_reason(exc)}"
+        return out.to(device, non_blocking=True), problems
+
+
+class NvjpegDecoder:
+    """nvJPEG on the GPU: one batched call (the hardware JPEG engines on A100 and H100, where
+    the JPEG is baseline), then each image's crop and resize as GPU kernels.
+
+    torchvision's batched decode fails as a whole when one file is bad; then each image is
+    decoded alone, and what nvJPEG cannot read goes to Pillow before it counts as a bad sample.
+    """
+
+    def __init__(self) -> None:
+        from torchvision.io import ImageReadMode, decode_jpeg  # the GPU image only: PyPI's wheels need CUDA torch
+
+        self._decode_jpeg, self._rgb = decode_jpeg, ImageReadMode.RGB
+        self._fallback = PillowDecoder()
+
+    def __call__(self, batch: EncodedImages, size: int, device: torch.device) -> tuple[Tensor, dict[int, str]]:
+        todo = [i for i in range(len(batch)) if i not in batch.ready]
+        data = batch.data
+        decoded = self._decode_all([data[i] for i in todo], device)
+        resized = torch.empty(len(batch), 3, size, size, device=device)
+        finished = {i: ready.to(device, non_blocking=True) for i, ready in batch.ready.items()}  # uint8 HWC
+        problems: dict[int, str] = {}
+        for i, image in zip(todo, decoded):
+            if isinstance(image, Tensor):
+                crop = batch.crops[i]
+                region = image[None, :, crop.top : crop.top + crop.height, crop.left : crop.left + crop.width]
+                # F.interpolate's kernel without its Python checks, straight into the batch: this
+                # loop runs for every image on the feed thread, sharing the GIL with training.
+                torch._C._nn._upsample_bilinear2d_aa(region.float(), (size, size), False, out=resized[i : i + 1])
+                continue
+            pixels, failed = self._fallback(batch.one(i), size, device)  # what nvJPEG could not read
+            finished[i] = pixels[0]
+            if failed:
+                problems[i] = failed[0]
+        # The mirror images, rounding and layout for the whole batch at once: few kernels, not per image.
+        flips = torch.tensor([bool(c and c.flip) for c in batch.crops], device=device).view(-1, 1, 1, 1)
+        resized = torch.where(flips, resized.flip(-1), resized)
+        out = resized.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        for i, pixels in finished.items():  # already cropped, mirrored and rounded
+            out[i] = pixels
+        return out, problems
+
+    def _decode_all(self, data: list[Tensor], device: torch.device) -> list[Tensor | BaseException]:
+        if not data:
+            return []
+        try:
+            return self._decode_jpeg(data, mode=self._rgb, device=device)
+        except RuntimeError:
+            pass
+        results: list[Tensor | BaseException] = []
+        for one in data:
+            try:
+                results.append(self._decode_jpeg(one, mode=self._rgb, device=device))
+            except RuntimeError as exc:
+                results.append(exc)
+        return results
+
+
+def nvjpeg_available() -> bool:
+    try:
+        from torchvision.io import decode_jpeg  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed, or a wheel built for another torch
+        return False
+    return torch.cuda.is_available()
+
+
+def build_decoder(setting: str, device_kind: str) -> ImageDecoder | None:
+    """The decoder for ``data.decode``; None where the workers decode (``loader``)."""
+    if setting == "loader":
+        return None
+    if device_kind == "cuda":
+        if not nvjpeg_available():
+            raise DeviceError("data.decode: got \"device\" but torchvision.io's nvJPEG decoder is not importable "
+                              "here (it ships in the GPU image); allowed here: loader")
+        return NvjpegDecoder()
+    return PillowDecoder()  # CPU (and tests): the same interface, decoded in the training process
