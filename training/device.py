@@ -202,7 +202,7 @@ class DeviceFeed:
                  problems: Any) -> DeviceBatch:
         problems = list(problems)
         if self._pin:  # pinned here, on the feed thread, rather than by the DataLoader's own thread
-            inputs, target = inputs.pin_memory(), target.pin_memory()
+            inputs, target, weight = inputs.pin_memory(), target.pin_memory(), weight.pin_memory()
         if self._decoder is not None and not isinstance(inputs, torch.Tensor):
             inputs, failed = self._decoder(inputs, self._image_size, self._runtime.device)
             for position, reason in failed.items():  # unreadable after all: padding, named and counted
