@@ -296,13 +296,11 @@ def feed_overhead(table: Table, sizes: Sizes, device: str, steps: int = 40, roun
             return batch.inputs, batch.target
         return next_batch
 
-    import sys as _sys
-
     def loader_variant(pin_in_loader: bool, pin_in_feed: bool, switch_interval: float | None = None):
         def run() -> float:
-            default = _sys.getswitchinterval()
+            default = sys.getswitchinterval()
             if switch_interval:
-                _sys.setswitchinterval(switch_interval)
+                sys.setswitchinterval(switch_interval)
             loader = build_loader(dataset, MicroBatchSampler(plan, 0, 0, 0, Layout(1, 1, sizes.batch)), config,
                                   pin_memory=pin_in_loader and device == "cuda")
             feed = DeviceFeed(loader, runtime, True, pin=pin_in_feed and device == "cuda")
@@ -310,7 +308,7 @@ def feed_overhead(table: Table, sizes: Sizes, device: str, steps: int = 40, roun
                 return timed(through(feed))
             finally:
                 feed.close()
-                _sys.setswitchinterval(default)
+                sys.setswitchinterval(default)
         return run
 
     def fresh() -> float:

@@ -58,7 +58,10 @@ def _train(rank: int, port: int, work: str, stop_at: int | None) -> None:
         "--model.name=mlp", "--model.image_size=16", "--model.num_classes=5", "--data.synthetic_samples=4000",
         "--data.num_workers=0", "--train.global_batch_size=16", "--train.micro_batch_size=8",
         "--train.max_steps=13", "--train.precision=fp32", "--train.device=cpu", "--train.log_every_steps=1",
+        # Synchronous saves: an asynchronous one starts early by as many steps as the last write
+        # lasted (the adaptive lead), which would make the steps depend on this machine's speed.
         f"--checkpoint.dir={work}/ckpt", "--checkpoint.interval_steps=4", "--checkpoint.keep_last=10",
+        "--checkpoint.async_save=false",
         f"--metrics.jsonl_path={work}/metrics.jsonl",
     ])
     trainer = Trainer(config)

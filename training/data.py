@@ -88,16 +88,11 @@ def center_crop(height: int, width: int, fraction: float = 0.875) -> Crop:
     return Crop((height - side) // 2, (width - side) // 2, side, side)
 
 
-def crop_and_resize(image: Tensor, crop: Crop, size: int) -> Tensor:
-    """uint8 [3, H, W] (on any device) cut to ``crop`` and resized to ``size`` x ``size`` with
-    antialiasing: float [3, size, size] in 0..255, not yet mirrored or rounded."""
-    region = image[:, crop.top : crop.top + crop.height, crop.left : crop.left + crop.width].float()
-    return F.interpolate(region[None], size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
-
-
 def apply_crop(image: Tensor, crop: Crop, size: int) -> Tensor:
-    """:func:`crop_and_resize`, mirrored if the crop says so: uint8 [size, size, 3]."""
-    resized = crop_and_resize(image, crop, size)
+    """uint8 [3, H, W] (on any device) cut to ``crop``, resized to ``size`` x ``size`` with
+    antialiasing, mirrored if the crop says so: uint8 [size, size, 3]."""
+    region = image[:, crop.top : crop.top + crop.height, crop.left : crop.left + crop.width].float()
+    resized = F.interpolate(region[None], size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
     if crop.flip:
         resized = resized.flip(-1)
     return resized.round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).contiguous()
@@ -106,11 +101,6 @@ def apply_crop(image: Tensor, crop: Crop, size: int) -> Tensor:
 # Images leave the loader as uint8 HWC: a quarter of float32's bytes to pin and copy, and the
 # NHWC batch is already channels_last once permuted. The device converts and normalizes them
 # (:func:`normalize_on_device`).
-
-
-def train_transform(image: Tensor, size: int, seed: int) -> Tensor:
-    """A decoded uint8 [3, H, W] image: random resized crop and flip, as uint8 [size, size, 3]."""
-    return apply_crop(image, random_crop(image.shape[1], image.shape[2], seed), size)
 
 
 def eval_transform(image: Tensor, size: int) -> Tensor:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import default_collate
 
-from training.data import Crop, apply_crop
+from training.data import Crop, _reason, apply_crop
 from training.device import DeviceError
 
 
@@ -86,11 +86,6 @@ class ImageDecoder(Protocol):
     be decoded (their pixels are zeros), each with the reason."""
 
     def __call__(self, batch: EncodedImages, size: int, device: torch.device) -> tuple[Tensor, dict[int, str]]: ...
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
 class PillowDecoder:

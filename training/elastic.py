@@ -158,12 +158,18 @@ def any_rank(*flags: bool | torch.Tensor, device: torch.device) -> tuple[bool, .
     """
     if not dist.is_initialized():
         return flags
+    value = _flag_tensor(flags, device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return tuple(bool(v > 0) for v in value.tolist())
+
+
+def _flag_tensor(flags: tuple[bool | torch.Tensor, ...], device: torch.device) -> torch.Tensor:
+    """The flags as one float tensor on ``device``; tensor flags are copied in without a host read."""
     value = torch.tensor([float(f) if isinstance(f, bool) else 0.0 for f in flags], device=device)
     for i, flag in enumerate(flags):
         if isinstance(flag, torch.Tensor):
             value[i] = flag.to(device=device, dtype=value.dtype).reshape(())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return tuple(bool(v > 0) for v in value.tolist())
+    return value
 
 
 class LaggedAgreement:
@@ -182,10 +188,7 @@ class LaggedAgreement:
 
     def exchange(self, *flags: bool | torch.Tensor) -> tuple[bool, ...] | None:
         """Send this step's flags; the previous step's, reduced over every rank (None at the first)."""
-        value = torch.tensor([float(f) if isinstance(f, bool) else 0.0 for f in flags], device=self.device)
-        for i, flag in enumerate(flags):
-            if isinstance(flag, torch.Tensor):
-                value[i] = flag.to(device=self.device, dtype=value.dtype).reshape(())
+        value = _flag_tensor(flags, self.device)
         work = dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True)
         previous, self._in_flight = self._in_flight, (work, value)
         if previous is None:
