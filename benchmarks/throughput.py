@@ -53,15 +53,18 @@ class Sizes:
     seq_len: int
 
 
-GPU = Sizes("resnet50", 224, 256, "bf16", 12, 15, 40, {"bert_base": 64, "bert_large": 32}, 128)
-CPU = Sizes("resnet18", 64, 16, "fp32", 2, 3, 10, {"bert_base": 4}, 64)
+GPU = Sizes("resnet50", 224, 256, "bf16", 12, 20, 40, {"bert_base": 64, "bert_large": 32}, 128)
+CPU = Sizes("resnet18", 64, 16, "fp32", 2, 5, 10, {"bert_base": 4}, 64)
 
 
 def trainer_rate(tree: Path, overrides: list[str], batch: int, warmup: int, steps: int,
                  env: dict[str, str] | None = None) -> tuple[float, float]:
     """Samples/s of ``python -m training train`` in ``tree``, between its step events at
     ``warmup`` and ``warmup + steps`` (each follows a device sync), and the share of that time
-    it waited for input."""
+    it waited for input. ``steps`` is a multiple of ``warmup``: the last event is a regular one,
+    in the loop, also in older trees that report once more after tearing the loader down."""
+    if steps % warmup:
+        raise ValueError(f"steps ({steps}) must be a multiple of warmup ({warmup})")
     with tempfile.TemporaryDirectory() as scratch:
         args = [*overrides, f"--train.max_steps={warmup + steps}", f"--train.log_every_steps={warmup}",
                 f"--train.micro_batch_size={batch}", f"--train.global_batch_size={batch}",

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import default_collate
 
+from training.batch_slots import FilledSlot
 from training.data import Crop, _reason, apply_crop
 from training.device import DeviceError
 
@@ -75,7 +76,10 @@ class EncodedImages:
 
 
 def collate(samples: list[tuple[Any, ...]]) -> Any:
-    """The default collation, except that encoded images stay a list (their lengths differ)."""
+    """The default collation, except that encoded images stay a list (their lengths differ) and a
+    batch written into its slot (:mod:`training.batch_slots`) is passed on as it is."""
+    if isinstance(samples, FilledSlot):
+        return samples
     if samples and isinstance(samples[0][0], EncodedImage):
         return (EncodedImages.of([s[0] for s in samples]), *default_collate([s[1:] for s in samples]))
     return default_collate(samples)

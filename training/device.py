@@ -134,8 +134,11 @@ class DeviceFeed:
     """
 
     def __init__(self, batches: Iterable, runtime: Runtime, channels_last: bool, decoder: Any = None,
-                 image_size: int = 0, background: bool | None = None, pin: bool = False):
-        self._batches = iter(batches)
+                 image_size: int = 0, background: bool | None = None, pin: bool = False, slots: Any = None):
+        # ``slots`` (:class:`training.batch_slots.BatchSlots`): the loader's batches arrive as views
+        # into them, and each slot is handed back once its copy to the device has finished.
+        self._slots = slots
+        self._batches = iter(slots.read(batches) if slots is not None else batches)
         self._runtime, self._channels_last = runtime, channels_last
         self._decoder, self._image_size, self._pin = decoder, image_size, pin
         self._stream = torch.cuda.Stream(runtime.device) if runtime.kind == "cuda" else None
@@ -184,6 +187,8 @@ class DeviceFeed:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self._next = None
+        if self._slots is not None:
+            self._slots.settle()
 
     def _fetch(self) -> tuple[DeviceBatch | None, Any]:
         try:
@@ -191,11 +196,14 @@ class DeviceFeed:
         except StopIteration:
             return None, None
         if self._stream is None:
-            return self._prepare(*raw), None
-        with torch.cuda.device(self._runtime.device), torch.cuda.stream(self._stream):
-            batch = self._prepare(*raw)
-            ready = torch.cuda.Event()
-            ready.record(self._stream)
+            batch, ready = self._prepare(*raw), None
+        else:
+            with torch.cuda.device(self._runtime.device), torch.cuda.stream(self._stream):
+                batch = self._prepare(*raw)
+                ready = torch.cuda.Event()
+                ready.record(self._stream)
+        if self._slots is not None:
+            self._slots.copied(ready)
         return batch, ready
 
     def _prepare(self, inputs: Any, target: Any, index: torch.Tensor, weight: torch.Tensor,

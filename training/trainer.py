@@ -8,6 +8,7 @@ where that checkpoint stopped.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from training import elastic
+from training.batch_slots import BatchSlots, slot_count
 from training.broadcast import broadcast_state
 from training.checkpoint import CheckpointError, CheckpointManager, Saved
 from training.config import TrainConfig
@@ -315,47 +317,64 @@ class Trainer:
         self.runtime.synchronize()  # the first window starts with nothing queued on the device
         window = _Window()
         stopped = False
-        while self.progress.epoch < cfg.train.epochs and not self._reached(total_steps):
-            loader = build_loader(
-                self.dataset,
-                MicroBatchSampler(self.plan, self.progress.epoch, self.progress.offset, self.rank, self.layout),
-                cfg,
-                # Pinned on the feed thread, not by the DataLoader's pin thread: on an H100 that
-                # thread cost a ResNet-50 step 17 % (benchmarks/throughput.py, section feed).
-                pin_memory=False,
-            )
-            feed = DeviceFeed(loader, self.runtime, self.channels_last, self.decoder, cfg.model.image_size,
-                              pin=self.runtime.kind == "cuda")
-            try:
-                while self.progress.offset < self.plan.dataset_size and not self._reached(total_steps):
-                    loss, data_wait, step_time = self._step(feed)
-                    window.add(loss, data_wait)
-                    if (self.distributed and self.first_start
-                            and self.progress.step - self.first_step == cfg.distributed.warmup_steps):
-                        elastic.shorten_timeout(cfg.distributed.timeout_s)
-                    self._recent_step_s = step_time if self._recent_step_s is None else (
-                        0.9 * self._recent_step_s + 0.1 * step_time)
-                    stop_now, notice, save_now = self._agree(loss)
-                    if self.progress.step % cfg.train.log_every_steps == 0:
-                        last_loss = self._report(window, flops_per_sample)
-                    if stop_now:
-                        self._save(synchronous=True, reason="stop")
-                        stopped = True
-                        break
-                    if notice:
-                        self.spot.acted()
-                        self._save(synchronous=True, reason="spot-notice")
-                    elif save_now:
-                        self._save(synchronous=False)
-                    self._keep_loss_bound()
-            finally:
-                feed.close()  # a fetch in flight ends before its loader does
-            del feed, loader
-            if stopped:
-                break
-            if self.progress.offset >= self.plan.dataset_size:
-                self.progress.epoch += 1
-                self.progress.offset = 0
+        slots = self._batch_slots()
+        paced_gc = bool(cfg.train.gc_every_steps) and gc.isenabled()
+        if paced_gc:
+            gc.collect(1)
+            gc.disable()
+        try:
+            while self.progress.epoch < cfg.train.epochs and not self._reached(total_steps):
+                loader = build_loader(
+                    self.dataset,
+                    MicroBatchSampler(self.plan, self.progress.epoch, self.progress.offset, self.rank, self.layout),
+                    cfg,
+                    # Pinned on the feed thread, not by the DataLoader's pin thread: on an H100 that
+                    # thread cost a ResNet-50 step 17 % (benchmarks/throughput.py, section feed).
+                    pin_memory=False,
+                    slots=slots,
+                )
+                feed = DeviceFeed(loader, self.runtime, self.channels_last, self.decoder, cfg.model.image_size,
+                                  pin=self.runtime.kind == "cuda" and not (slots and slots.pinned), slots=slots)
+                try:
+                    while self.progress.offset < self.plan.dataset_size and not self._reached(total_steps):
+                        loss, data_wait, step_time = self._step(feed)
+                        window.add(loss, data_wait)
+                        if (self.distributed and self.first_start
+                                and self.progress.step - self.first_step == cfg.distributed.warmup_steps):
+                            elastic.shorten_timeout(cfg.distributed.timeout_s)
+                        self._recent_step_s = step_time if self._recent_step_s is None else (
+                            0.9 * self._recent_step_s + 0.1 * step_time)
+                        stop_now, notice, save_now = self._agree(loss)
+                        # The run's last step reports here too, before the loader's workers are torn
+                        # down: that teardown is not training time (on an H100 it took 5-10 % of a
+                        # 40-step window).
+                        if self.progress.step % cfg.train.log_every_steps == 0 or self._last_step(total_steps):
+                            last_loss = self._report(window, flops_per_sample)
+                        if stop_now:
+                            self._save(synchronous=True, reason="stop")
+                            stopped = True
+                            break
+                        if notice:
+                            self.spot.acted()
+                            self._save(synchronous=True, reason="spot-notice")
+                        elif save_now:
+                            self._save(synchronous=False)
+                        self._keep_loss_bound()
+                        if paced_gc and self.progress.step % cfg.train.gc_every_steps == 0:
+                            gc.collect(1)
+                finally:
+                    feed.close()  # a fetch in flight ends before its loader does
+                del feed, loader
+                if stopped:
+                    break
+                if self.progress.offset >= self.plan.dataset_size:
+                    self.progress.epoch += 1
+                    self.progress.offset = 0
+        finally:
+            if slots is not None:
+                slots.close()
+            if paced_gc:
+                gc.enable()
         if self.distributed:
             self.agreement.settle()
         if not stopped:
@@ -376,6 +395,23 @@ class Trainer:
         if self.sample_log:
             self.sample_log.close()
         return TrainResult(self.progress.step, last_loss, stopped, time.perf_counter() - self.started)
+
+    def _batch_slots(self) -> BatchSlots | None:
+        """On CUDA, with loader workers and decoded inputs: page-locked shared slots that the
+        workers fill, so this process neither unpickles nor pins the batches (see batch_slots)."""
+        data = self.config.data
+        if self.runtime.kind != "cuda" or not data.num_workers or self.decoder is not None:
+            return None
+        slots = BatchSlots(slot_count(data.num_workers, data.prefetch_factor), self.layout.micro_batch,
+                           self.dataset.placeholder(), pin_for=self.runtime.device)
+        log.info("batch slots: %d of %d samples, %d MiB%s", slots.count, slots.batch_size, slots.nbytes >> 20,
+                 " page-locked" if slots.pinned else "")
+        return slots
+
+    def _last_step(self, total_steps: int | None) -> bool:
+        """Has the step just taken ended the run (max_steps, or the last epoch's last batch)?"""
+        return self._reached(total_steps) or (
+            self.progress.epoch == self.config.train.epochs - 1 and self.progress.offset >= self.plan.dataset_size)
 
     def _reached(self, total_steps: int | None) -> bool:
         return total_steps is not None and self.progress.step >= total_steps
