@@ -343,13 +343,15 @@ def bert(table: Table, sizes: Sizes, device: str, before: Path | None, repeats: 
     for name, batch in sizes.bert_batch.items():
         overrides = [f"--model.name={name}", f"--data.seq_len={sizes.seq_len}", f"--train.precision={sizes.precision}",
                      f"--train.device={device}", "--optim.name=sgd"]
+        # Token batches are cheap: four workers keep up; on a small CPU, no more workers than it has for them.
+        workers = f"--data.num_workers={min(4, sizes.workers)}"
         bare, trainer, old = [], [], []
         for _ in range(repeats):
             bare.append(bare_rate(overrides, batch, sizes.warmup, sizes.steps))
-            trainer.append(trainer_rate(REPO, [*overrides, "--data.num_workers=4"], batch, sizes.warmup,
+            trainer.append(trainer_rate(REPO, [*overrides, workers], batch, sizes.warmup,
                                         sizes.steps)[0])
             if before:
-                old.append(trainer_rate(before, [*overrides, "--data.num_workers=4"], batch, sizes.warmup,
+                old.append(trainer_rate(before, [*overrides, workers], batch, sizes.warmup,
                                         sizes.steps)[0])
         label = f"{name} b{batch}x{sizes.seq_len} {sizes.precision}"
         if before:

@@ -42,12 +42,6 @@ class SlotRequest:
     slot: int
     keys: list[Any]
 
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def __iter__(self):
-        return iter(self.keys)
-
 
 @dataclass(frozen=True)
 class FilledSlot:

@@ -126,11 +126,12 @@ class DeviceFeed:
     """Micro-batches on the device one ahead of the step that trains on them.
 
     On CUDA, as soon as the trainer takes a batch (:meth:`take`), a background thread fetches
-    the next one from the loader, pins it, and runs its copy, decode (``decoder``, for encoded
-    images) and normalization on a side stream: the copies overlap the whole step, and nvJPEG's
-    waits block neither the training thread nor the device. The step's stream waits for that
-    batch's event only when it takes the batch. Elsewhere :meth:`ahead` prepares the next batch
-    in the training thread, where the trainer calls it (after enqueuing a step).
+    the next one from the loader (from its page-locked batch slot, or pinning it), and runs its
+    copy, decode (``decoder``, for encoded images) and normalization on a side stream: the
+    copies overlap the whole step, and nvJPEG's waits block neither the training thread nor the
+    device. The step's stream waits for that batch's event only when it takes the batch.
+    Elsewhere :meth:`ahead` prepares the next batch in the training thread, where the trainer
+    calls it (after enqueuing a step).
     """
 
     def __init__(self, batches: Iterable, runtime: Runtime, channels_last: bool, decoder: Any = None,
