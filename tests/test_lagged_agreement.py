@@ -78,7 +78,10 @@ def _train(rank: int, port: int, work: str, stop_at: int | None) -> None:
             return result
 
         trainer._step = step_then_signal
-    trainer.run()
+    try:
+        trainer.run()
+    finally:
+        dist.destroy_process_group()  # as training.trainer.train does, not in the interpreter's teardown
 
 
 def run(tmp_path: Path, stop_at: int | None) -> tuple[list[int], list[dict]]:

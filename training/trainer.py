@@ -375,6 +375,7 @@ class Trainer:
                 slots.close()
             if paced_gc:
                 gc.enable()
+                gc.collect()  # what the loop left goes now, while all it refers to is alive, not at exit
         if self.distributed:
             self.agreement.settle()
         if not stopped:
