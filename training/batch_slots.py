@@ -129,9 +129,9 @@ class BatchSlots:
                         "memory first, as without slots", self.nbytes >> 20, failures[0])
 
     def _register_all(self, failures: list[str]) -> None:
-        torch.cuda.set_device(self._device)  # this rank's device, not device 0 (a context there costs memory)
-        cudart = torch.cuda.cudart()
         try:
+            torch.cuda.set_device(self._device)  # this rank's device, not device 0 (a context there costs memory)
+            cudart = torch.cuda.cudart()
             for tensor in (self.inputs, self.target, self.index, self.weight):
                 code = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
                                                _HOST_REGISTER_PORTABLE)
