@@ -192,3 +192,58 @@ def test_a_background_feed_starts_the_next_fetch_as_soon_as_a_batch_is_taken():
     assert feed.take().target.tolist() == [0]
     assert both_requested.wait(5)  # batch 1 is on its way before the step even asks for it
     feed.close()
+
+
+def test_the_batched_crop_and_resize_equals_torchs_antialiased_resize_of_each_crop():
+    from training.data import Crop
+    from training.decode import resize_crops
+
+    generator = torch.Generator().manual_seed(0)
+    images, crops = [], []
+    for i in range(40):
+        height, width = (int(v) for v in torch.randint(20, 300, (2,), generator=generator))
+        images.append(torch.randint(0, 256, (3, height, width), dtype=torch.uint8, generator=generator))
+        drawn = random_crop(height, width, seed=i)
+        crops.append(Crop(drawn.top, drawn.left, drawn.height, drawn.width))
+    crops[0] = Crop(0, 0, images[0].shape[1], images[0].shape[2])  # the whole image
+    crops[1] = Crop(3, 5, 7, 9)  # smaller than the output: upsampled
+    batched = resize_crops(images, crops, 48)
+    each = torch.stack([torch.nn.functional.interpolate(
+        image[None, :, c.top : c.top + c.height, c.left : c.left + c.width].float(), size=(48, 48),
+        mode="bilinear", antialias=True)[0] for image, c in zip(images, crops)])
+    assert batched.shape == (40, 3, 48, 48)
+    assert torch.allclose(batched, each, atol=1e-3)  # float rounding only
+    rounded = batched.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+    expected = torch.stack([apply_crop(image, c, 48) for image, c in zip(images, crops)])
+    assert int((rounded.int() - expected.int()).abs().max()) <= 1
+    # Chunks bounded by padded pixels (here one or two images each) give the same pixels.
+    assert torch.allclose(resize_crops(images, crops, 48, pixel_budget=40_000), batched, atol=1e-4)
+
+
+def test_the_device_decoders_logic_matches_pillows_with_the_jpeg_decode_done_by_pillow(folder):
+    """NvjpegDecoder's crops, resizes, flips and fallbacks, on the CPU: only torchvision's
+    decode_jpeg is replaced (by Pillow), since its wheels need CUDA."""
+    from training.data import decode_bytes
+    from training.decode import NvjpegDecoder
+
+    unsupported = (folder / "c1" / "2.jpg").read_bytes()  # as nvJPEG might refuse, say, a rare JPEG variant
+    calls = []
+
+    def decode_jpeg(data, mode, device):
+        calls.append(len(data) if isinstance(data, list) else 1)
+        if isinstance(data, list):  # torchvision's batched call fails as a whole on one file
+            return [decode_jpeg(one, mode, device) for one in data]
+        if data.numpy().tobytes() == unsupported:
+            raise RuntimeError("nvjpeg: unsupported")
+        return decode_bytes(data.numpy().tobytes()).to(device)
+
+    decoder = object.__new__(NvjpegDecoder)
+    decoder._decode_jpeg, decoder._rgb, decoder._fallback = decode_jpeg, None, PillowDecoder()
+    encoded = ImageFolder(folder, image_size=32, encoded=True)
+    batch = collate([Keyed(encoded)[key] for key in keys(len(encoded))])
+    pixels, problems = decoder(batch[0], 32, torch.device("cpu"))
+    reference, _ = PillowDecoder()(batch[0], 32, torch.device("cpu"))
+    assert problems == {} and calls[0] > 1  # the batch failed, then image by image, then Pillow for one
+    assert pixels.shape == reference.shape and pixels.dtype == torch.uint8
+    assert int((pixels.int() - reference.int()).abs().max()) <= 1
+    assert any(c and c.flip for c in batch[0].crops) and any(c and not c.flip for c in batch[0].crops)
