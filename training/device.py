@@ -7,9 +7,12 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
+
+if TYPE_CHECKING:
+    from training.batch_slots import BatchSlots
 
 # Dense bf16/fp16 tensor-core peaks per device, for MFU (vendor data sheets, no sparsity).
 PEAK_FLOPS = {
@@ -135,9 +138,10 @@ class DeviceFeed:
     """
 
     def __init__(self, batches: Iterable, runtime: Runtime, channels_last: bool, decoder: Any = None,
-                 image_size: int = 0, background: bool | None = None, pin: bool = False, slots: Any = None):
-        # ``slots`` (:class:`training.batch_slots.BatchSlots`): the loader's batches arrive as views
-        # into them, and each slot is handed back once its copy to the device has finished.
+                 image_size: int = 0, background: bool | None = None, pin: bool = False,
+                 slots: BatchSlots | None = None):
+        # ``slots``: the loader's batches arrive as views into them, and each slot is handed back
+        # once its copy to the device has finished.
         self._slots = slots
         self._batches = iter(slots.read(batches) if slots is not None else batches)
         self._runtime, self._channels_last = runtime, channels_last
