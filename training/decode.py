@@ -235,6 +235,9 @@ class NvjpegDecoder:
     def _decode_all(self, data: list[Tensor], device: torch.device) -> list[Tensor | BaseException]:
         if not data:
             return []
+        # torchvision decodes on a stream of its own and waits for it before returning
+        # (torchvision/csrc/io/image/cuda/decode_jpegs_cuda.cpp, decode_images): this thread
+        # blocks, but without the GIL (a torch.ops call releases it), so training goes on.
         try:
             return self._decode_jpeg(data, mode=self._rgb, device=device)
         except RuntimeError:
