@@ -103,11 +103,12 @@ def test_the_mlm_head_projects_only_the_masked_positions_with_the_same_loss_and_
     torch.manual_seed(0)
     model = build_model("bert_tiny").eval()
     tokens, labels = masked_batch(model.size.vocab)
+    most = int((labels != -100).sum(1).max())  # rows have different counts: the others are padded
     seen = []
     original = model.mlm_logits
-    model.mlm_logits = lambda hidden: seen.append(hidden.shape[0]) or original(hidden)
-    per_sample = model(tokens, labels=labels, per_sample=True)
-    assert seen == [int((labels != -100).sum())]  # ~15 % of the 256 positions, not all of them
+    model.mlm_logits = lambda hidden: seen.append(tuple(hidden.shape[:2])) or original(hidden)
+    per_sample = model(tokens, labels=labels, per_sample=True, max_predictions=most)
+    assert seen == [(4, most)] and most < 20  # ~15 % of each row's 64 positions, not all of them
     per_sample.sum().backward()
     fast = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -118,8 +119,40 @@ def test_the_mlm_head_projects_only_the_masked_positions_with_the_same_loss_and_
     chosen = (labels != -100).float()
     reference = (token_loss * chosen).sum(1) / chosen.sum(1)
     assert torch.allclose(per_sample, reference, atol=1e-5)
+    assert torch.allclose(model(tokens, labels=labels, per_sample=True), reference, atol=1e-5)  # all positions
     reference.sum().backward()
     for name, parameter in model.named_parameters():
         assert torch.allclose(fast[name], parameter.grad, atol=1e-5), name
-    assert model(tokens, labels=labels).item() == pytest.approx(
+    assert model(tokens, labels=labels, max_predictions=most).item() == pytest.approx(
         torch.nn.functional.cross_entropy(logits.reshape(-1, model.size.vocab), labels.reshape(-1)).item(), rel=1e-5)
+
+
+def test_the_mlm_loss_has_shapes_that_do_not_depend_on_the_labels():
+    """The meta device has no values, so it runs only what needs none: had the head selected
+    positions by value, the host would wait for the GPU every step to learn their number."""
+    with torch.device("meta"):
+        model = build_model("bert_tiny")
+        tokens = torch.zeros(4, 64, dtype=torch.long)
+        labels = torch.zeros(4, 64, dtype=torch.long)
+    losses = model(tokens, labels=labels, per_sample=True, max_predictions=10)
+    assert losses.shape == (4,) and losses.device.type == "meta"
+    losses.sum().backward()
+    assert model.word.weight.grad.shape == model.word.weight.shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_mlm_head_makes_no_host_sync_on_cuda():
+    """The head alone (the encoder's embedding backward has syncs of its own in ATen)."""
+    torch.manual_seed(0)
+    model = build_model("bert_tiny").cuda()
+    tokens, labels = (t.cuda() for t in masked_batch(model.size.vocab))
+    most = int((labels != -100).sum(1).max())
+    hidden = model.encode(tokens).detach().requires_grad_()
+    model.encode = lambda tokens, attention_mask=None: hidden
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(tokens, labels=labels, per_sample=True, max_predictions=most).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert hidden.grad is not None

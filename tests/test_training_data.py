@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from training.data import (
-    CLS_ID, MASK_ID, SEP_ID, DataError, ImageFolder, MaskedLMShards, SyntheticImages, eval_transform, mask_tokens,
+    CLS_ID, MASK_ID, PAD_ID, SEP_ID, DataError, ImageFolder, MaskedLMShards, SyntheticImages, eval_transform, mask_tokens,
 )
 from training.sampler import SampleKey
 
@@ -86,6 +86,23 @@ def test_masking_follows_bert_proportions():
     assert (inputs[chosen] == MASK_ID).float().mean() == pytest.approx(0.8, abs=0.01)
     assert (inputs[chosen] == tokens[chosen]).float().mean() == pytest.approx(0.1, abs=0.01)
     assert torch.equal(inputs[~chosen], tokens[~chosen])
+
+
+def test_every_sequence_has_the_same_number_of_masked_positions_as_the_mlm_head_gathers():
+    from training.config import masked_per_sequence
+
+    counts = set()
+    for seed in range(50):
+        tokens = torch.randint(1000, 30000, (128,), generator=torch.Generator().manual_seed(seed))
+        tokens[0], tokens[-1] = CLS_ID, SEP_ID
+        _, labels = mask_tokens(tokens, seed=seed, vocab_size=30522, probability=0.15)
+        counts.add(int((labels != -100).sum()))
+        assert labels[0] == -100 and labels[-1] == -100
+    assert counts == {masked_per_sequence(128, 0.15)} == {19}  # round(128 * 0.15), as BERT's num_to_predict
+    short = torch.full((128,), PAD_ID)
+    short[:12] = torch.arange(1000, 1012)
+    _, labels = mask_tokens(short, seed=0, vocab_size=30522, probability=0.15)
+    assert int((labels != -100).sum()) == 12 and bool((labels[12:] == -100).all())  # every real token, no padding
 
 
 def test_shards_of_the_wrong_shape_are_rejected(tmp_path):

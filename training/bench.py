@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from training.config import TrainConfig
+from training.config import TrainConfig, masked_per_sequence
 from training.device import detect, move
 from training.models import build_model
 from training.trainer import Trainer, compile_with_fallback, per_sample_loss, should_compile
@@ -70,7 +70,8 @@ def bare_loop(config: TrainConfig, steps: int, warmup: int) -> float:
             started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         with runtime.autocast(config.train.precision):
-            loss = per_sample_loss(model, inputs, target, config.model.is_masked_lm).mean()
+            loss = per_sample_loss(model, inputs, target, config.model.is_masked_lm,
+                                   config.data.masked_per_sequence).mean()
         loss.backward()
         optimizer.step()
     runtime.synchronize()
@@ -130,7 +131,7 @@ def _mlm_every_position(model, tokens, labels):
 
 
 def _mlm_masked_only(model, tokens, labels):
-    return model(tokens, labels=labels, per_sample=True)
+    return model(tokens, labels=labels, per_sample=True, max_predictions=masked_per_sequence(tokens.shape[1], 0.15))
 
 
 def compare_mlm_heads(name: str, batch: int, seq_len: int, repeats: int, device: torch.device,
@@ -141,9 +142,9 @@ def compare_mlm_heads(name: str, batch: int, seq_len: int, repeats: int, device:
     torch.manual_seed(0)
     model = build_model(name).to(device)
     tokens = torch.randint(0, model.size.vocab, (batch, seq_len), device=device)
-    labels = torch.full_like(tokens, -100)
-    chosen = torch.rand(tokens.shape, device=device) < 0.15
-    labels[chosen] = tokens[chosen]
+    # As mask_tokens masks: the same number of positions in every sequence.
+    chosen = torch.rand(tokens.shape, device=device).topk(masked_per_sequence(seq_len, 0.15), dim=1).indices
+    labels = torch.full_like(tokens, -100).scatter(1, chosen, tokens.gather(1, chosen))
     times: dict[str, list[float]] = {"every position": [], "masked only": []}
     steps = (("every position", _mlm_every_position), ("masked only", _mlm_masked_only))
     for i in range(repeats + 1):  # the first round warms up; interleaved, so drift hits both alike

@@ -40,6 +40,13 @@ class ModelSection(StrictModel):
         return self.name in MASKED_LM_MODELS
 
 
+def masked_per_sequence(length: int, probability: float) -> int:
+    """How many of a sequence's ``length`` tokens BERT masks: ``probability`` of them, rounded,
+    at least one (google-research/bert, create_pretraining_data.py: ``num_to_predict``). A fixed
+    count lets the MLM head gather the masked positions in static shapes (``max_predictions``)."""
+    return max(1, round(length * probability))
+
+
 class DataSection(StrictModel):
     # synthetic: generated per sample id; imagefolder: <path>/<class>/<image>; mlm_shards: <path>/*.npy
     kind: Literal["synthetic", "imagefolder", "mlm_shards"] = "synthetic"
@@ -57,6 +64,11 @@ class DataSection(StrictModel):
     # Samples that cannot be read (a corrupt JPEG, a truncated shard) are skipped, named in the
     # log and counted over the whole run; more than this ends it (exit 78).
     max_bad_samples: int = Field(100, ge=0)
+
+    @property
+    def masked_per_sequence(self) -> int:
+        """Masked positions per sequence of a masked-LM run (also the MLM head's ``max_predictions``)."""
+        return masked_per_sequence(self.seq_len, self.mask_probability)
 
     @model_validator(mode="after")
     def _path_when_read_from_disk(self):

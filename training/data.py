@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from training.config import TrainConfig
+from training.config import TrainConfig, masked_per_sequence
 from training.sampler import MicroBatchSampler, SampleKey
 
 if TYPE_CHECKING:
@@ -329,10 +329,15 @@ class SyntheticTokens(MaskedLMShards):
 
 
 def mask_tokens(tokens: Tensor, seed: int, vocab_size: int, probability: float) -> tuple[Tensor, Tensor]:
-    """BERT's masking: of the chosen positions, 80 % become [MASK], 10 % a random token, 10 % stay."""
+    """BERT's masking: :func:`~training.config.masked_per_sequence` positions drawn among the tokens that are not
+    [PAD], [CLS] or [SEP] (all of those, if fewer); of them, 80 % become [MASK], 10 % a random
+    token, 10 % stay."""
     generator = _generator(seed)
     special = (tokens == PAD_ID) | (tokens == CLS_ID) | (tokens == SEP_ID)
-    chosen = (torch.rand(tokens.shape, generator=generator) < probability) & ~special
+    count = min(masked_per_sequence(tokens.numel(), probability), int((~special).sum()))
+    order = torch.rand(tokens.shape, generator=generator).masked_fill(special, 2.0)  # specials last
+    chosen = torch.zeros(tokens.shape, dtype=torch.bool)
+    chosen[order.topk(count, largest=False).indices] = True
     labels = torch.where(chosen, tokens, IGNORE_LABEL)
     roll = torch.rand(tokens.shape, generator=generator)
     inputs = torch.where(chosen & (roll < 0.8), MASK_ID, tokens)

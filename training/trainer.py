@@ -69,11 +69,13 @@ class TrainResult:
     elapsed_s: float
 
 
-def per_sample_loss(model: nn.Module, inputs: Tensor, target: Tensor, masked_lm: bool) -> Tensor:
+def per_sample_loss(model: nn.Module, inputs: Tensor, target: Tensor, masked_lm: bool,
+                    max_predictions: int | None = None) -> Tensor:
     """Loss per sample; a masked-LM sample's loss is the mean over its masked tokens, computed by
-    the model at the masked positions only (through DDP's forward, so gradients are reduced)."""
+    the model at ``max_predictions`` gathered positions per sequence (``data.masked_per_sequence``;
+    see BertForMaskedLM.forward), through DDP's forward, so gradients are reduced."""
     if masked_lm:
-        return model(inputs, labels=target, per_sample=True)
+        return model(inputs, labels=target, per_sample=True, max_predictions=max_predictions)
     return nn.functional.cross_entropy(model(inputs).float(), target, reduction="none")
 
 
@@ -492,7 +494,8 @@ class Trainer:
             no_sync = self.model.no_sync() if self.distributed and not final else contextlib.nullcontext()
             with no_sync:
                 with self.runtime.autocast(cfg.train.precision):
-                    losses = per_sample_loss(self.model, batch.inputs, batch.target, self.config.model.is_masked_lm)
+                    losses = per_sample_loss(self.model, batch.inputs, batch.target, self.config.model.is_masked_lm,
+                                             cfg.data.masked_per_sequence)
                 loss = (losses * batch.weight.to(losses.dtype)).sum() * scale
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach() / self.world_size
@@ -753,15 +756,10 @@ def count_training_flops(config: TrainConfig) -> float | None:
             target = torch.zeros(2, dtype=torch.long)
 
     def one_step() -> None:
-        if not model_config.is_masked_lm:
-            per_sample_loss(model, inputs, target, False).sum().backward()
-            return
-        # The vocabulary projection runs on the masked positions only (mask_probability of them on
-        # average); the meta device cannot select by value, so take that many positions per sample.
-        chosen = max(1, round(config.data.mask_probability * config.data.seq_len))
-        hidden = model.encode(inputs)[:, :chosen].reshape(-1, model.size.hidden)
-        logits = model.mlm_logits(hidden)
-        nn.functional.cross_entropy(logits.float(), target[:, :chosen].reshape(-1), reduction="sum").backward()
+        # The same loss as training: for a masked LM, the vocabulary projection at the gathered
+        # positions only (their count does not depend on the labels' values, so meta can run it).
+        losses = per_sample_loss(model, inputs, target, model_config.is_masked_lm, config.data.masked_per_sequence)
+        losses.sum().backward()
 
     return training_flops_per_sample(one_step, 2)
 

@@ -85,26 +85,35 @@ class BertForMaskedLM(nn.Module):
 
     def forward(
         self, tokens: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None,
-        per_sample: bool = False,
+        per_sample: bool = False, max_predictions: int | None = None,
     ) -> Tensor:
         """Logits for every position; or, with ``labels``, the loss over the positions whose label
         is not -100 (the mean, or each sample's mean with ``per_sample``).
 
-        With labels only the masked positions (~15 %) go through the vocabulary projection, as
-        reference BERT pretraining code gathers them first: the other ~85 % of the logits would
-        be computed and thrown away."""
+        With labels only the masked positions go through the vocabulary projection: the other
+        ~85 % of the logits would be computed and thrown away. As reference BERT pretraining
+        gathers ``max_predictions_per_seq`` positions per sequence (google-research/bert,
+        run_pretraining.py, ``gather_indexes``), a fixed ``max_predictions`` positions are taken
+        from each sequence, its masked ones first and padding after them (weight 0). Shapes then
+        do not depend on the labels' values: selecting by value (``hidden[labels != -100]``)
+        makes the host wait for the device every step to learn how many there are, and gives
+        torch.compile a dynamic shape. Each sequence must have at most ``max_predictions`` masked
+        positions (:func:`training.data.mask_tokens` masks exactly that many); None takes them all.
+        """
         hidden = self.encode(tokens, attention_mask)
         if labels is None:
             return self.mlm_logits(hidden)
-        chosen = labels != -100
-        token_loss = nn.functional.cross_entropy(self.mlm_logits(hidden[chosen]).float(), labels[chosen],
-                                                 reduction="none")
+        length = labels.shape[1]
+        count = length if max_predictions is None else min(max_predictions, length)
+        positions = (labels != -100).float().topk(count, dim=1, sorted=False).indices  # [batch, count]
+        picked = labels.gather(1, positions)
+        states = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
+        token_loss = nn.functional.cross_entropy(self.mlm_logits(states).flatten(0, 1).float(), picked.flatten(),
+                                                 ignore_index=-100, reduction="none").view_as(picked)
+        real = picked != -100
         if not per_sample:
-            return token_loss.mean()
-        sample_of = chosen.nonzero()[:, 0]
-        totals = torch.zeros(tokens.shape[0], device=token_loss.device, dtype=token_loss.dtype)
-        totals = totals.index_add(0, sample_of, token_loss)
-        return totals / chosen.sum(1).clamp(min=1)
+            return token_loss.sum() / real.sum().clamp(min=1)
+        return token_loss.sum(1) / real.sum(1).clamp(min=1)
 
     def encode(self, tokens: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
