@@ -140,6 +140,17 @@ def test_the_mlm_loss_has_shapes_that_do_not_depend_on_the_labels():
     assert model.word.weight.grad.shape == model.word.weight.shape
 
 
+def test_torch_compile_sees_the_mlm_loss_as_one_graph():
+    """Selecting by value broke it into 4 graphs at each nonzero (dynamic shapes)."""
+    torch.manual_seed(0)
+    model = build_model("bert_tiny")
+    tokens, labels = masked_batch(model.size.vocab)
+    explained = torch._dynamo.explain(
+        lambda tokens, labels: model(tokens, labels=labels, per_sample=True, max_predictions=16))(tokens, labels)
+    torch._dynamo.reset()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_mlm_head_makes_no_host_sync_on_cuda():
     """The head alone (the encoder's embedding backward has syncs of its own in ATen)."""
