@@ -329,9 +329,9 @@ class SyntheticTokens(MaskedLMShards):
 
 
 def mask_tokens(tokens: Tensor, seed: int, vocab_size: int, probability: float) -> tuple[Tensor, Tensor]:
-    """BERT's masking: :func:`~training.config.masked_per_sequence` positions drawn among the tokens that are not
-    [PAD], [CLS] or [SEP] (all of those, if fewer); of them, 80 % become [MASK], 10 % a random
-    token, 10 % stay."""
+    """BERT's masking: :func:`~training.config.masked_per_sequence` positions, drawn among the
+    tokens that are not [PAD], [CLS] or [SEP] (all of those, if fewer); of them, 80 % become
+    [MASK], 10 % a random token, 10 % stay."""
     generator = _generator(seed)
     special = (tokens == PAD_ID) | (tokens == CLS_ID) | (tokens == SEP_ID)
     count = min(masked_per_sequence(tokens.numel(), probability), int((~special).sum()))
