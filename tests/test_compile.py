@@ -24,11 +24,13 @@ def test_compile_by_default_only_for_image_models_on_a_gpu(overrides, device, ex
 
 
 @pytest.fixture
-def dynamo(monkeypatch):
+def dynamo():
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)
-    yield
+    # dynamo's own patching: pytest's monkeypatch undoes this one with delattr, which leaves the
+    # option hidden, and every later torch.compile in the session fails on reading it.
+    with torch._dynamo.config.patch(suppress_errors=False):
+        yield
     torch._dynamo.reset()
 
 
