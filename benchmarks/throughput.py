@@ -13,6 +13,7 @@ Sections:
   jpeg    ImageNet-like JPEGs (500x375, ~100 KB) with --workers loader workers: decoded on the device
           (nvJPEG) and in the workers (Pillow), each against the compiled bare loop
   bert    BERT-base and BERT-large against the bare loop; the masked-only MLM head against every position
+  bert_compiled  the same under torch.compile, and the compiled bare loop against the eager one (not by default)
 
 ``--before`` names a checkout of an older commit: its trainer runs the same rows, for before/after.
 """
@@ -342,24 +343,33 @@ def feed_overhead(table: Table, sizes: Sizes, device: str, steps: int = 40, roun
                   runs=[round(v, 1) for v in values])
 
 
-def bert(table: Table, sizes: Sizes, device: str, before: Path | None, repeats: int) -> None:
+def bert(table: Table, sizes: Sizes, device: str, before: Path | None, repeats: int, compiled: bool = False) -> None:
+    """BERT-base and -large: the trainer against the bare loop, and the MLM head's saving. With
+    ``compiled`` (section ``bert_compiled``), both run under torch.compile, and the compiled bare
+    loop is set against the eager one: whether compiling BERT by default would pay."""
     for name, batch in sizes.bert_batch.items():
         overrides = [f"--model.name={name}", f"--data.seq_len={sizes.seq_len}", f"--train.precision={sizes.precision}",
-                     f"--train.device={device}", "--optim.name=sgd"]
+                     f"--train.device={device}", "--optim.name=sgd", f"--model.compile={str(compiled).lower()}"]
         # Token batches are cheap: four workers keep up; on a small CPU, no more workers than it has for them.
         workers = f"--data.num_workers={min(4, sizes.workers)}"
-        bare, trainer, old = [], [], []
+        bare, trainer, old, eager = [], [], [], []
         for _ in range(repeats):
             bare.append(bare_rate(overrides, batch, sizes.warmup, sizes.steps))
             trainer.append(trainer_rate(REPO, [*overrides, workers], batch, sizes.warmup,
                                         sizes.steps)[0])
-            if before:
+            if compiled:
+                eager.append(bare_rate([*overrides, "--model.compile=false"], batch, sizes.warmup, sizes.steps))
+            elif before:
                 old.append(trainer_rate(before, [*overrides, workers], batch, sizes.warmup,
                                         sizes.steps)[0])
-        label = f"{name} b{batch}x{sizes.seq_len} {sizes.precision}"
-        if before:
+        label = f"{name} b{batch}x{sizes.seq_len} {sizes.precision}{', compiled' if compiled else ''}"
+        if old:
             table.add(f"{label}: trainer before", "bare loop", statistics.median(bare), statistics.median(old))
         table.add(f"{label}: trainer", "bare loop", statistics.median(bare), statistics.median(trainer), 0.97)
+        if compiled:
+            table.add(f"{label}: bare loop", "bare loop, eager", statistics.median(eager), statistics.median(bare),
+                      runs=[round(x, 1) for x in bare], eager_runs=[round(x, 1) for x in eager])
+            continue
         heads = compare_mlm_heads(name, batch, sizes.seq_len, 5, torch.device(device), sizes.precision)
         table.add(f"{label}: MLM head at masked positions", "head at every position",
                   batch / heads["every position"], batch / heads["masked only"])
@@ -390,6 +400,8 @@ def main() -> None:
         jpeg(table, sizes, device, args.before, bare_compiled, args.images, args.lean)
     if "bert" in sections:
         bert(table, sizes, device, args.before, args.repeats)
+    if "bert_compiled" in sections:
+        bert(table, sizes, device, None, args.repeats, compiled=True)
     print(table.render())
 
 
