@@ -8,7 +8,8 @@ import torch
 from PIL import Image
 
 from training.data import (
-    CLS_ID, MASK_ID, PAD_ID, SEP_ID, DataError, ImageFolder, MaskedLMShards, SyntheticImages, eval_transform, mask_tokens,
+    CLS_ID, MASK_ID, PAD_ID, SEP_ID, DataError, ImageFolder, MaskedLMShards, SyntheticImages, eval_transform,
+    mask_tokens,
 )
 from training.sampler import SampleKey
 
