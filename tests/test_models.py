@@ -127,6 +127,28 @@ def test_the_mlm_head_projects_only_the_masked_positions_with_the_same_loss_and_
         torch.nn.functional.cross_entropy(logits.reshape(-1, model.size.vocab), labels.reshape(-1)).item(), rel=1e-5)
 
 
+def test_padding_changes_nothing_for_the_real_tokens_with_the_attention_mask():
+    """Reference BERT's input_mask: a row padded to a longer batch has the loss it has alone.
+    Without the mask its real tokens attend to the padding too."""
+    from training.data import PAD_ID, attention_mask
+
+    torch.manual_seed(0)
+    model = build_model("bert_tiny").eval()
+    tokens, labels = masked_batch(model.size.vocab, batch=2, seq=16)
+    padded_tokens = torch.cat([tokens, torch.full_like(tokens, PAD_ID)], dim=1)
+    padded_labels = torch.cat([labels, torch.full_like(labels, -100)], dim=1)
+    mask = attention_mask(padded_tokens, padded_labels)
+    alone = model(tokens, labels=labels, per_sample=True, max_predictions=16)
+    masked = model(padded_tokens, attention_mask=mask, labels=padded_labels, per_sample=True, max_predictions=16)
+    unmasked = model(padded_tokens, labels=padded_labels, per_sample=True, max_predictions=16)
+    assert torch.allclose(masked, alone, atol=1e-5)
+    assert not torch.allclose(unmasked, alone, atol=1e-3)
+    placeholder = torch.full((1, 32), PAD_ID)  # a bad sample, weight 0: its loss must stay finite
+    rows = torch.cat([padded_tokens, placeholder]), torch.cat([padded_labels, torch.full_like(placeholder, -100)])
+    losses = model(rows[0], attention_mask=attention_mask(*rows), labels=rows[1], per_sample=True, max_predictions=16)
+    assert torch.isfinite(losses).all() and losses[2] == 0
+
+
 def test_the_mlm_loss_has_shapes_that_do_not_depend_on_the_labels():
     """The meta device has no values, so it runs only what needs none: had the head selected
     positions by value, the host would wait for the GPU every step to learn their number."""

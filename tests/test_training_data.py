@@ -8,8 +8,8 @@ import torch
 from PIL import Image
 
 from training.data import (
-    CLS_ID, MASK_ID, PAD_ID, SEP_ID, DataError, ImageFolder, MaskedLMShards, SyntheticImages, eval_transform,
-    mask_tokens,
+    CLS_ID, MASK_ID, PAD_ID, SEP_ID, DataError, ImageFolder, MaskedLMShards, SyntheticImages, attention_mask,
+    eval_transform, mask_tokens,
 )
 from training.sampler import SampleKey
 
@@ -100,10 +100,37 @@ def test_every_sequence_has_the_same_number_of_masked_positions_as_the_mlm_head_
         counts.add(int((labels != -100).sum()))
         assert labels[0] == -100 and labels[-1] == -100
     assert counts == {masked_per_sequence(128, 0.15)} == {19}  # round(128 * 0.15), as BERT's num_to_predict
-    short = torch.full((128,), PAD_ID)
-    short[:12] = torch.arange(1000, 1012)
-    _, labels = mask_tokens(short, seed=0, vocab_size=30522, probability=0.15)
-    assert int((labels != -100).sum()) == 12 and bool((labels[12:] == -100).all())  # every real token, no padding
+
+
+
+@pytest.mark.parametrize("real, masked", [(62, 9), (12, 2), (3, 1), (0, 0)])
+def test_a_padded_sequence_is_masked_in_proportion_to_its_own_tokens(real, masked):
+    """google-research/bert counts num_to_predict on the unpadded tokens, [CLS] and [SEP] included:
+    a short row keeps its context (this masked all 12 tokens of a 12-token row, when it counted
+    the row's padded length)."""
+    row = torch.full((128,), PAD_ID)
+    row[:real] = torch.arange(1000, 1000 + real)
+    if real:
+        row[0], row[real - 1] = CLS_ID, SEP_ID
+    _, labels = mask_tokens(row, seed=0, vocab_size=30522, probability=0.15)
+    chosen = labels != -100
+    assert int(chosen.sum()) == masked  # round(real * 0.15), at least 1 while there is a token to mask
+    assert not chosen[real:].any() and (not real or not chosen[[0, real - 1]].any())
+
+
+def test_the_attention_mask_covers_padding_only_when_a_batch_has_some():
+    full = torch.randint(1000, 30000, (3, 16))
+    assert attention_mask(full, torch.full_like(full, -100)) is None  # no padding: no mask, the fastest kernel
+    padded = full.clone()
+    padded[0, 10:] = PAD_ID
+    padded[1, :] = PAD_ID  # a bad sample's placeholder: nothing to attend to
+    labels = torch.full_like(padded, -100)
+    padded[2, 4], labels[2, 4] = PAD_ID, 2000  # a masked token whose random replacement is [PAD]'s id
+    mask = attention_mask(padded, labels)
+    assert mask.dtype == torch.bool and mask.shape == (3, 16)
+    assert mask[0, :10].all() and not mask[0, 10:].any()
+    assert mask[1].all()  # attending to nothing would make the row NaN, and 0 x NaN is NaN
+    assert mask[2].all()
 
 
 def test_shards_of_the_wrong_shape_are_rejected(tmp_path):
@@ -117,3 +144,36 @@ def test_synthetic_images_depend_only_on_the_sample_id():
     x1, y1 = a[SampleKey(7, 1.0, 1)]
     x2, y2 = b[SampleKey(7, 0.0, 99)]
     assert torch.equal(x1, x2) and y1 == y2
+
+
+def test_the_trainer_keeps_attention_off_the_padding_of_its_shards(tmp_path, monkeypatch):
+    from training.config import load_train_config
+    from training.models.bert import BertForMaskedLM
+    from training.trainer import Trainer
+
+    rows = np.random.default_rng(0).integers(1000, 30000, size=(8, 16))
+    rows[:4, 10:] = PAD_ID  # half the rows are short, as reference BERT makes 10 % of them
+    (tmp_path / "shards").mkdir()
+    np.save(tmp_path / "shards" / "000.npy", rows.astype(np.int32))
+    seen = []
+    forward = BertForMaskedLM.forward
+
+    def recording(self, tokens, attention_mask=None, labels=None, **kwargs):
+        if tokens.device.type != "meta":  # not the FLOPs count
+            seen.append((tokens.clone(), labels.clone(), attention_mask))
+        return forward(self, tokens, attention_mask, labels, **kwargs)
+
+    monkeypatch.setattr(BertForMaskedLM, "forward", recording)
+    Trainer(load_train_config(None, [
+        "--data.kind=mlm_shards", f"--data.path={tmp_path / 'shards'}", "--data.seq_len=16", "--data.num_workers=0",
+        "--model.name=bert_tiny", "--train.global_batch_size=4", "--train.micro_batch_size=2",
+        "--train.max_steps=4", "--train.precision=fp32", "--train.device=cpu",
+        f"--checkpoint.dir={tmp_path}/ckpt", f"--metrics.jsonl_path={tmp_path}/m.jsonl",
+    ])).run()
+    assert len(seen) == 8
+    for tokens, labels, mask in seen:
+        padding = (tokens == PAD_ID) & (labels == -100)
+        assert (mask is None) == (not padding.any())  # unpadded micro-batches keep the unmasked kernel
+        if mask is not None:
+            assert torch.equal(~mask, padding)
+    assert sum(mask is not None for _, _, mask in seen) >= 2  # 4 of the 8 rows are padded: 2 micro-batches at least

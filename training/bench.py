@@ -143,7 +143,7 @@ def compare_mlm_heads(name: str, batch: int, seq_len: int, repeats: int, device:
     torch.manual_seed(0)
     model = build_model(name).to(device)
     tokens = torch.randint(0, model.size.vocab, (batch, seq_len), device=device)
-    # As mask_tokens masks: the same number of positions in every sequence.
+    # As mask_tokens masks a full sequence (no padding): the same number of positions in every one.
     count = masked_per_sequence(seq_len, 0.15)
     chosen = torch.rand(tokens.shape, device=device).topk(count, dim=1).indices
     labels = torch.full_like(tokens, -100).scatter(1, chosen, tokens.gather(1, chosen))

@@ -329,12 +329,16 @@ class SyntheticTokens(MaskedLMShards):
 
 
 def mask_tokens(tokens: Tensor, seed: int, vocab_size: int, probability: float) -> tuple[Tensor, Tensor]:
-    """BERT's masking: :func:`~training.config.masked_per_sequence` positions, drawn among the
-    tokens that are not [PAD], [CLS] or [SEP] (all of those, if fewer); of them, 80 % become
-    [MASK], 10 % a random token, 10 % stay."""
+    """BERT's masking: :func:`~training.config.masked_per_sequence` of the sequence's length
+    without its [PAD] tokens (as google-research/bert's ``num_to_predict`` counts the unpadded
+    tokens), drawn among the tokens that are not [PAD], [CLS] or [SEP] (all of those, if fewer);
+    of them, 80 % become [MASK], 10 % a random token, 10 % stay. A full row gets exactly the
+    head's ``max_predictions``, a padded one fewer."""
     generator = _generator(seed)
-    special = (tokens == PAD_ID) | (tokens == CLS_ID) | (tokens == SEP_ID)
-    count = min(masked_per_sequence(tokens.numel(), probability), int((~special).sum()))
+    padding = tokens == PAD_ID
+    special = padding | (tokens == CLS_ID) | (tokens == SEP_ID)
+    unpadded = int((~padding).sum())
+    count = min(masked_per_sequence(unpadded, probability), int((~special).sum())) if unpadded else 0
     order = torch.rand(tokens.shape, generator=generator).masked_fill(special, 2.0)  # specials last
     chosen = torch.zeros(tokens.shape, dtype=torch.bool)
     chosen[order.topk(count, largest=False).indices] = True
@@ -344,6 +348,23 @@ def mask_tokens(tokens: Tensor, seed: int, vocab_size: int, probability: float) 
     random_tokens = torch.randint(0, vocab_size, tokens.shape, generator=generator)
     inputs = torch.where(chosen & (roll >= 0.8) & (roll < 0.9), random_tokens, inputs)
     return inputs, labels
+
+
+def attention_mask(inputs: Tensor, labels: Tensor) -> Tensor | None:
+    """Which positions of a batch of masked-LM rows attention may look at (True: a real token),
+    or None when no row has [PAD], so that attention keeps its fastest, unmasked kernel.
+
+    Reference BERT feeds an ``input_mask`` that is 0 on the padding (google-research/bert,
+    create_pretraining_data.py). Read on the host, before the batch's copy: deciding on the
+    device whether there is any padding would make the host wait every step. A masked position
+    is real even when its random replacement is [PAD]'s id. A row with no real token at all (a
+    bad sample's placeholder, weight 0) may attend everywhere: attending to nothing gives NaN,
+    which a weight of 0 does not cancel."""
+    padding = (inputs == PAD_ID) & (labels == IGNORE_LABEL)
+    if not bool(padding.any()):
+        return None
+    real = ~padding
+    return real | ~real.any(dim=1, keepdim=True)
 
 
 class Keyed(Dataset):

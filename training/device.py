@@ -123,6 +123,7 @@ class DeviceBatch:
     index: torch.Tensor
     host_weight: torch.Tensor
     problems: list[str]
+    attention_mask: torch.Tensor | None = None
 
 
 class DeviceFeed:
@@ -139,10 +140,13 @@ class DeviceFeed:
 
     def __init__(self, batches: Iterable, runtime: Runtime, channels_last: bool, decoder: Any = None,
                  image_size: int = 0, background: bool | None = None, pin: bool = False,
-                 slots: BatchSlots | None = None):
+                 slots: BatchSlots | None = None,
+                 attention_mask: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None):
         # ``slots``: the loader's batches arrive as views into them, and each slot is handed back
-        # once its copy to the device has finished.
+        # once its copy to the device has finished. ``attention_mask``: from a host batch's inputs
+        # and targets, the model's attention mask, or None (training.data.attention_mask).
         self._slots = slots
+        self._attention_mask = attention_mask
         self._batches = iter(slots.read(batches) if slots is not None else batches)
         self._runtime, self._channels_last = runtime, channels_last
         self._decoder, self._image_size, self._pin = decoder, image_size, pin
@@ -181,7 +185,7 @@ class DeviceFeed:
         if ready is not None:
             current = torch.cuda.current_stream(self._runtime.device)
             current.wait_event(ready)
-            for tensor in (batch.inputs, batch.target, batch.weight):
+            for tensor in (batch.inputs, batch.target, batch.weight, batch.attention_mask):
                 if isinstance(tensor, torch.Tensor):
                     # Made on the side stream, freed only once the step's stream is done with them.
                     tensor.record_stream(current)
@@ -222,5 +226,8 @@ class DeviceFeed:
                 if weight[position] > 0:
                     problems[position] = reason
                 weight[position] = 0.0
-        moved, target, moved_weight = move((inputs, target, weight), self._runtime, self._channels_last)
-        return DeviceBatch(moved, target, moved_weight, index, weight, problems)
+        mask = self._attention_mask(inputs, target) if self._attention_mask is not None else None
+        if mask is not None and self._stream is not None:
+            mask = mask.pin_memory()  # so that its copy, too, leaves the host at once
+        moved, target, moved_weight, mask = move((inputs, target, weight, mask), self._runtime, self._channels_last)
+        return DeviceBatch(moved, target, moved_weight, index, weight, problems, mask)

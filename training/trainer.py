@@ -30,7 +30,7 @@ from training.batch_slots import BatchSlots, slot_count
 from training.broadcast import broadcast_state
 from training.checkpoint import CheckpointError, CheckpointManager, Saved
 from training.config import TrainConfig
-from training.data import DataError, build_dataset, build_loader
+from training.data import DataError, attention_mask, build_dataset, build_loader
 from training.decode import build_decoder
 from training.device import DeviceFeed, Runtime, detect
 from training.launch import EXIT_MEMBERSHIP_CHANGE, STOP_BUDGET_ENV
@@ -70,12 +70,14 @@ class TrainResult:
 
 
 def per_sample_loss(model: nn.Module, inputs: Tensor, target: Tensor, masked_lm: bool,
-                    max_predictions: int | None = None) -> Tensor:
+                    max_predictions: int | None = None, attention_mask: Tensor | None = None) -> Tensor:
     """Loss per sample; a masked-LM sample's loss is the mean over its masked tokens, computed by
     the model at ``max_predictions`` gathered positions per sequence (``data.masked_per_sequence``;
-    see BertForMaskedLM.forward), through DDP's forward, so gradients are reduced."""
+    see BertForMaskedLM.forward), with attention kept off padding by ``attention_mask``
+    (``training.data.attention_mask``), through DDP's forward, so gradients are reduced."""
     if masked_lm:
-        return model(inputs, labels=target, per_sample=True, max_predictions=max_predictions)
+        return model(inputs, attention_mask=attention_mask, labels=target, per_sample=True,
+                     max_predictions=max_predictions)
     return nn.functional.cross_entropy(model(inputs).float(), target, reduction="none")
 
 
@@ -336,7 +338,8 @@ class Trainer:
                     slots=slots,
                 )
                 feed = DeviceFeed(loader, self.runtime, self.channels_last, self.decoder, cfg.model.image_size,
-                                  pin=self.runtime.kind == "cuda" and not (slots and slots.pinned), slots=slots)
+                                  pin=self.runtime.kind == "cuda" and not (slots and slots.pinned), slots=slots,
+                                  attention_mask=attention_mask if cfg.model.is_masked_lm else None)
                 try:
                     while self.progress.offset < self.plan.dataset_size and not self._reached(total_steps):
                         loss, data_wait, step_time = self._step(feed)
@@ -495,7 +498,7 @@ class Trainer:
             with no_sync:
                 with self.runtime.autocast(cfg.train.precision):
                     losses = per_sample_loss(self.model, batch.inputs, batch.target, self.config.model.is_masked_lm,
-                                             cfg.data.masked_per_sequence)
+                                             cfg.data.masked_per_sequence, batch.attention_mask)
                 loss = (losses * batch.weight.to(losses.dtype)).sum() * scale
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach() / self.world_size
