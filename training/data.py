@@ -337,8 +337,7 @@ def mask_tokens(tokens: Tensor, seed: int, vocab_size: int, probability: float) 
     generator = _generator(seed)
     padding = tokens == PAD_ID
     special = padding | (tokens == CLS_ID) | (tokens == SEP_ID)
-    unpadded = int((~padding).sum())
-    count = min(masked_per_sequence(unpadded, probability), int((~special).sum())) if unpadded else 0
+    count = min(masked_per_sequence(int((~padding).sum()), probability), int((~special).sum()))
     order = torch.rand(tokens.shape, generator=generator).masked_fill(special, 2.0)  # specials last
     chosen = torch.zeros(tokens.shape, dtype=torch.bool)
     chosen[order.topk(count, largest=False).indices] = True
