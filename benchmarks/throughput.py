@@ -1,6 +1,6 @@
 """One run, one table: the trainer against a bare loop on the same device, side by side.
 
-    python benchmarks/throughput.py [--sections resnet,jpeg,bert] [--before OLD_CHECKOUT] [--json FILE]
+    python benchmarks/throughput.py [--sections resnet,jpeg,bert] [--cpus N] [--before OLD_CHECKOUT] [--json FILE]
 
 Every figure is wall clock between synchronized points. The bare loop runs zero_grad, forward,
 backward and step on one batch that already sits on the device; the trainer runs as users run
@@ -10,10 +10,16 @@ of its own step events, which follow a device sync. Sizes follow the device: Res
 
 Sections:
   resnet  synthetic uint8 images through the loader, eager and torch.compile, against the bare loop
-  jpeg    ImageNet-like JPEGs (500x375, ~100 KB) with --workers loader workers: decoded on the device
+  jpeg    ImageNet-like JPEGs (500x375, ~100 KB) with 12 loader workers (2 on a CPU): decoded on the device
           (nvJPEG) and in the workers (Pillow), each against the compiled bare loop
   bert    BERT-base and BERT-large against the bare loop; the masked-only MLM head against every position
   bert_compiled  the same under torch.compile, and the compiled bare loop against the eager one (not by default)
+
+The whole run (the bare loop, each trainer and its loader workers) is confined to ``--cpus``
+CPUs, the share of the host one accelerator gets on a real node. By default on a GPU that is 12,
+what a p4d.24xlarge has per A100 (96 vCPUs, 8 GPUs; the job charts request a little less); a p5
+has 24 per H100 (``--cpus 24``). A bigger benchmark machine would otherwise lend the input
+pipeline cores that no training pod has.
 
 ``--before`` names a checkout of an older commit: its trainer runs the same rows, for before/after.
 """
@@ -37,6 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from config.catalog import lookup  # noqa: E402
 from training.bench import bare_loop, compare_mlm_heads  # noqa: E402
 from training.config import load_train_config  # noqa: E402
 
@@ -54,8 +61,26 @@ class Sizes:
     seq_len: int
 
 
+# The host share of one accelerator on the GPU instance that gives the least: p4d.24xlarge's vCPUs
+# per A100 (96 for 8: 12).
+SHARE_OF = lookup("p4d.24xlarge")
+GPU_HOST_SHARE = SHARE_OF.vcpus // SHARE_OF.accelerator_count
 GPU = Sizes("resnet50", 224, 256, "bf16", 12, 20, 40, {"bert_base": 64, "bert_large": 32}, 128)
 CPU = Sizes("resnet18", 64, 16, "fp32", 2, 5, 10, {"bert_base": 4}, 64)
+
+
+def confine(cpus: int | None) -> str:
+    """Confine this process, and what it starts from now on, to ``cpus`` of the CPUs it may use
+    (the lowest-numbered; children inherit the mask). Returns the table's words for it."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if cpus is None or cpus == len(allowed):
+        return f"{len(allowed)} CPUs"
+    if not 1 <= cpus <= len(allowed):
+        raise SystemExit(f"--cpus: got {cpus}; allowed: 1 to {len(allowed)} (the CPUs this process may use)")
+    os.sched_setaffinity(0, allowed[:cpus])
+    # Children read the mask when they start; this process's own thread pool was sized at import.
+    torch.set_num_threads(min(torch.get_num_threads(), cpus))
+    return f"confined to {cpus} of {len(allowed)} CPUs"
 
 
 def trainer_rate(tree: Path, overrides: list[str], batch: int, warmup: int, steps: int,
@@ -381,6 +406,9 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="a checkout of an older commit, run the same way")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--images", type=int, help="JPEGs to write (default: one epoch covers the measurement)")
+    parser.add_argument("--cpus", type=int,
+                        help=f"CPUs the run may use (default: {GPU_HOST_SHARE} with a GPU, {SHARE_OF.name}'s vCPUs "
+                             f"per {SHARE_OF.accelerator_model}; every CPU without one)")
     parser.add_argument("--json", help="write the rows here as they come")
     parser.add_argument("--lean", action="store_true",
                         help="only the trainer-against-bare rows (no loader, decoder or variant diagnostics)")
@@ -388,7 +416,10 @@ def main() -> None:
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     cuda = torch.cuda.is_available()
     device, sizes = ("cuda", GPU) if cuda else ("cpu", CPU)
-    table = Table(torch.cuda.get_device_name(0) if cuda else f"CPU, {os.cpu_count()} cores", args.json)
+    # A host with fewer CPUs than the share runs on what it has (the table says how many).
+    cpus = confine(args.cpus if args.cpus is not None or not cuda
+                   else min(GPU_HOST_SHARE, len(os.sched_getaffinity(0))))
+    table = Table(f"{torch.cuda.get_device_name(0)}, {cpus}" if cuda else f"CPU, {cpus}", args.json)
     sections = args.sections.split(",")
     bare_compiled = None
     if "resnet" in sections:
