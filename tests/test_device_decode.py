@@ -5,16 +5,18 @@ and torchvision's GPU decoder are present (the GPU image, or a GPU machine)."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from training.config import load_train_config
-from training.data import ImageFolder, Keyed, apply_crop, random_crop
+from training.data import Crop, ImageFolder, Keyed, apply_crop, crop_pillow_image, random_crop
 from training.decode import EncodedImages, PillowDecoder, build_decoder, collate, nvjpeg_available
 from training.device import DeviceFeed, detect
 from training.imagenet import natural_image
@@ -145,6 +147,25 @@ def test_apply_crop_flips_and_resizes():
     assert same.shape == (4, 4, 3)
     flipped = apply_crop(image, Crop(0, 0, 4, 6, flip=True), 4)
     assert torch.equal(flipped, same.flip(1))
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L", "CMYK"])
+def test_the_workers_pillow_crop_is_torchs_antialiased_crop_within_one_level(mode):
+    # Pillow rounds to uint8 between its two passes; with non-negative weights that moves a value
+    # by less than one level. Pixels from outside the crop (a resize with a box) would move the
+    # edges by up to 20 levels.
+    image = Image.fromarray(natural_image(7, 375, 500)).convert(mode)
+    reference = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+    crops = [random_crop(375, 500, seed) for seed in range(40)] + [Crop(0, 0, 375, 500), Crop(10, 20, 64, 64),
+                                                                     Crop(3, 7, 40, 50)]
+    assert any(c.height < 64 for c in crops) and any(c.height > 128 for c in crops)  # up- and downscaling
+    for crop in crops:
+        pixels = crop_pillow_image(image, crop, 64)
+        assert pixels.shape == (64, 64, 3) and pixels.dtype == torch.uint8
+        assert int((pixels.int() - apply_crop(reference, crop, 64).int()).abs().max()) <= 1, crop
+    assert torch.equal(crop_pillow_image(image, Crop(10, 20, 64, 64), 64), reference[:, 10:74, 20:84].permute(1, 2, 0))
+    mirrored = crop_pillow_image(image, Crop(5, 5, 100, 80, flip=True), 32)
+    assert torch.equal(mirrored, crop_pillow_image(image, Crop(5, 5, 100, 80), 32).flip(1))
 
 
 def test_a_background_feed_hands_out_the_same_batches_and_raises_what_the_loader_raised(folder):
@@ -302,7 +323,7 @@ def test_an_operator_called_through_torch_ops_lets_other_threads_run():
 def test_the_device_decoders_logic_matches_pillows_with_the_jpeg_decode_done_by_pillow(folder):
     """NvjpegDecoder's crops, resizes, flips and fallbacks, on the CPU: only torchvision's
     decode_jpeg is replaced (by Pillow), since its wheels need CUDA."""
-    from training.data import decode_bytes
+    from training.data import decode_image
     from training.decode import NvjpegDecoder
 
     unsupported = (folder / "c1" / "2.jpg").read_bytes()  # as nvJPEG might refuse, say, a rare JPEG variant
@@ -314,7 +335,7 @@ def test_the_device_decoders_logic_matches_pillows_with_the_jpeg_decode_done_by_
             return [decode_jpeg(one, mode, device) for one in data]
         if data.numpy().tobytes() == unsupported:
             raise RuntimeError("nvjpeg: unsupported")
-        return decode_bytes(data.numpy().tobytes()).to(device)
+        return decode_image(io.BytesIO(data.numpy().tobytes())).to(device)
 
     decoder = object.__new__(NvjpegDecoder)
     decoder._decode_jpeg, decoder._rgb, decoder._fallback = decode_jpeg, None, PillowDecoder()

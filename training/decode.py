@@ -4,9 +4,10 @@ With ``data.decode=device`` a worker only reads the file and draws the sample's 
 from its seed (:func:`training.data.random_crop`); the bytes travel still encoded (a fifth of
 the decoded image), and an :class:`ImageDecoder` in the training process turns the whole batch
 into uint8 NHWC pixels on the device. The crops are the same either way, so both paths train on
-the same samples and labels; the values are equal for 4:4:4 JPEGs and differ by a few levels for
-4:2:0 ones, where nvJPEG and libjpeg upsample chroma differently (tests/test_device_decode.py,
-run on an H100). Grayscale, CMYK and PNG files are decoded by the worker, as before.
+the same samples and labels. The values differ by about a level for 4:4:4 JPEGs (the IDCTs'
+rounding, and Pillow's resize rounding between its two passes where the device's does not) and
+by a few levels for 4:2:0 ones, where nvJPEG and libjpeg upsample chroma differently
+(tests/test_device_decode.py, run on an H100 before Pillow resized in the workers). Grayscale, CMYK and PNG files are decoded by the worker, as before.
 
 Two decoders share one small interface: :class:`NvjpegDecoder` (nvJPEG through
 ``torchvision.io.decode_jpeg(device="cuda")``, in the GPU image) and :class:`PillowDecoder`
@@ -15,6 +16,7 @@ Two decoders share one small interface: :class:`NvjpegDecoder` (nvJPEG through
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,7 +25,7 @@ from torch import Tensor
 from torch.utils.data import default_collate
 
 from training.batch_slots import FilledSlot
-from training.data import Crop, _reason, apply_crop
+from training.data import Crop, _reason, crop_pillow_image
 from training.device import DeviceError
 
 
@@ -96,7 +98,7 @@ class PillowDecoder:
     """The reference decoder: Pillow on the CPU, then the crop; the batch is copied to ``device``."""
 
     def __call__(self, batch: EncodedImages, size: int, device: torch.device) -> tuple[Tensor, dict[int, str]]:
-        from training.data import decode_bytes
+        from PIL import Image
 
         out = torch.zeros(len(batch), size, size, 3, dtype=torch.uint8)
         problems: dict[int, str] = {}
@@ -105,7 +107,8 @@ class PillowDecoder:
                 out[i] = batch.ready[i]
                 continue
             try:
-                out[i] = apply_crop(decode_bytes(data.numpy().tobytes()), crop, size)
+                with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
+                    out[i] = crop_pillow_image(image, crop, size)
             except Exception as exc:  # noqa: BLE001 - whatever Pillow raises for a bad file, the run goes on
                 problems[i] = f"{batch.sources[i]}: {_reason(exc)}"
         return out.to(device, non_blocking=True), problems
