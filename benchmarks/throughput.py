@@ -295,7 +295,8 @@ def feed_overhead(table: Table, sizes: Sizes, device: str, steps: int = 40, roun
                                       f"--train.micro_batch_size={sizes.batch}", f"--train.global_batch_size={sizes.batch}"])
     runtime = detect(device)
     model = build_model(config.model.name, 1000, sizes.image_size).to(runtime.device).to(memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    # Learning rate 0, as in training.bench.bare_loop: the fixed batch would otherwise be learnt.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9, weight_decay=1e-4)
     if device == "cuda":
         model = compile_with_fallback(model)
     host_inputs, host_target = _single_batch(config)
