@@ -60,9 +60,9 @@ def bare_loop(config: TrainConfig, steps: int, warmup: int) -> float:
         model.to(memory_format=torch.channels_last)
     # Learning rate 0: the step does all its work (momentum, weight decay, the update), but the
     # weights stay put. Trained on its one batch, the loop would drive loss and gradients toward
-    # zero, into subnormal floats, which x86 cores compute many times slower: an MLP's loop fell
-    # from 6,300 to 2,300 samples/s within 200 steps on CPU, a reference that slows down and
-    # flatters the trainer, whose batches are always new. GPUs compute subnormals at full speed.
+    # zero, into subnormal floats, which x86 cores compute many times slower: an MLP's loop on one
+    # CPU thread fell from 6,300 to 2,300 samples/s within 200 steps, a reference that slows down
+    # and flatters the trainer, whose batches are always new. GPUs compute subnormals at full speed.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=config.optim.momentum,
                                 weight_decay=config.optim.weight_decay)
     if should_compile(config, runtime.kind):  # the trainer's rule, so both sides compile or neither
