@@ -8,8 +8,8 @@ from training.config import load_train_config
 
 def test_the_bare_loops_rate_holds_as_it_steps_on_its_one_batch():
     # Trained on one batch, a loop learns it: loss and gradients sink into subnormal floats,
-    # which x86 cores compute several times slower (this loop fell to 0.37 of its early rate by
-    # steps 100-300 when it still learnt). A reference that slows down flatters the trainer.
+    # which x86 cores compute several times slower (this loop fell to 0.42-0.45 of its early rate
+    # by steps 100-300 when it still learnt). A reference that slows down flatters the trainer.
     config = load_train_config(None, [
         "--model.name=mlp", "--model.image_size=16", "--model.num_classes=1000", "--train.micro_batch_size=8",
         "--train.precision=fp32", "--train.device=cpu", "--optim.name=sgd",

@@ -152,8 +152,8 @@ def test_apply_crop_flips_and_resizes():
 @pytest.mark.parametrize("mode", ["RGB", "L", "CMYK"])
 def test_the_workers_pillow_crop_is_torchs_antialiased_crop_within_one_level(mode):
     # Pillow rounds to uint8 between its two passes; with non-negative weights that moves a value
-    # by less than one level. Pixels from outside the crop (a resize with a box) would move the
-    # edges by up to 20 levels.
+    # by less than one level. Pixels from outside the crop (a resize with a box) moved the edges
+    # by up to 21 levels.
     image = Image.fromarray(natural_image(7, 375, 500)).convert(mode)
     reference = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
     crops = [random_crop(375, 500, seed) for seed in range(40)] + [Crop(0, 0, 375, 500), Crop(10, 20, 64, 64),
