@@ -16,9 +16,12 @@ Sections:
   bert_compiled  the same under torch.compile, and the compiled bare loop against the eager one (not by default)
 
 The whole run (the bare loop, each trainer and its loader workers) is confined to ``--cpus``
-CPUs, the share of the host one accelerator gets on a real node. By default on a GPU that is 12,
-what a p4d.24xlarge has per A100 (96 vCPUs, 8 GPUs; the job charts request a little less); a p5
-has 24 per H100 (``--cpus 24``). A bigger benchmark machine would otherwise lend the input
+CPUs, the share of the host one accelerator gets on a real node. By default on a GPU that is the
+share per GPU of the catalog's node type for it: 12 vCPUs per A100 (p4d.24xlarge: 96 vCPUs, 8
+GPUs; the job charts request a little less), 24 per H100 (p5.48xlarge). A vCPU is one of a
+core's two threads, so the run takes whole cores: 12 vCPUs are 6 cores. On a host that shows
+one thread per core the run gets the share's cores instead (6 for an A100): without their
+second threads, a lower bound. A bigger benchmark machine would otherwise lend the input
 pipeline cores that no training pod has.
 
 ``--before`` names a checkout of an older commit: its trainer runs the same rows, for before/after.
@@ -31,10 +34,12 @@ import datetime
 import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +48,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from config.catalog import lookup  # noqa: E402
+from config.catalog import CATALOG, Accelerator, InstanceType, lookup  # noqa: E402
 from training.bench import bare_loop, compare_mlm_heads  # noqa: E402
 from training.config import load_train_config  # noqa: E402
 
@@ -61,26 +66,105 @@ class Sizes:
     seq_len: int
 
 
-# The host share of one accelerator on the GPU instance that gives the least: p4d.24xlarge's vCPUs
-# per A100 (96 for 8: 12).
-SHARE_OF = lookup("p4d.24xlarge")
-GPU_HOST_SHARE = SHARE_OF.vcpus // SHARE_OF.accelerator_count
 GPU = Sizes("resnet50", 224, 256, "bf16", 12, 20, 40, {"bert_base": 64, "bert_large": 32}, 128)
 CPU = Sizes("resnet18", 64, 16, "fp32", 2, 5, 10, {"bert_base": 4}, 64)
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """The kernel's CPU list format (``0-3,8``)."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def smt_siblings(cpu: int) -> set[int]:
+    """The CPUs that are hardware threads of ``cpu``'s core, itself included, as the kernel reports
+    them (a virtual machine reports what its hypervisor shows it)."""
+    try:
+        return parse_cpu_list(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text())
+    except OSError:
+        return {cpu}
+
+
+def cores_of(cpus: list[int], siblings: Callable[[int], set[int]]) -> list[list[int]]:
+    """``cpus`` grouped by core, in the order of each core's lowest CPU."""
+    cores, placed = [], set()
+    for cpu in sorted(cpus):
+        if cpu not in placed:
+            core = sorted((siblings(cpu) & set(cpus)) | {cpu})
+            cores.append(core)
+            placed.update(core)
+    return cores
+
+
+def pick_cpus(allowed: list[int], count: int, siblings: Callable[[int], set[int]] = smt_siblings) -> list[int]:
+    """``count`` of ``allowed``: whole cores first, the lowest-numbered first. On a host with two
+    threads per core, 12 CPUs are then 6 cores, as a p4d's 12 vCPUs per A100 are; the first 12
+    CPUs by number would often be 12 cores' first threads, twice the cores a pod has."""
+    cores = cores_of(allowed, siblings)
+    picked: list[int] = []
+    for core in cores:
+        if len(picked) + len(core) <= count:
+            picked += core
+    for core in cores:  # a count whole cores cannot make up: single threads of the cores left
+        picked += [cpu for cpu in core if cpu not in picked][:max(0, count - len(picked))]
+    return sorted(picked)
+
+
+def layout(cpus: list[int], siblings: Callable[[int], set[int]] = smt_siblings) -> str:
+    """How many cores ``cpus`` are, in words: ``6 cores × 2 threads``."""
+    cores = cores_of(cpus, siblings)
+    threads = {len(core) for core in cores}
+    plural = "s" if len(cores) > 1 else ""
+    if len(threads) == 1:
+        each = threads.pop()
+        return f"{len(cores)} core{plural} × {each} thread{'s' if each > 1 else ''}"
+    return f"{len(cpus)} threads on {len(cores)} core{plural}"
+
+
+def node_type_for(gpu_name: str) -> InstanceType:
+    """The node type whose CPU share per GPU a run on ``gpu_name`` should get: of the catalog's
+    types with that GPU and the most GPUs per node (the nodes distributed training runs on), the
+    one with the fewest vCPUs per GPU. A GPU the catalog does not know gets p4d.24xlarge's."""
+    words = set(re.split(r"[\s_-]+", gpu_name))
+    same_gpu = [t for t in CATALOG.values() if t.accelerator is Accelerator.NVIDIA and t.accelerator_model in words]
+    if not same_gpu:
+        return lookup("p4d.24xlarge")
+    most = max(t.accelerator_count for t in same_gpu)
+    return min((t for t in same_gpu if t.accelerator_count == most),
+               key=lambda t: (t.vcpus / t.accelerator_count, t.name))
+
+
+def share_of(node: InstanceType, allowed: list[int],
+             siblings: Callable[[int], set[int]] = smt_siblings) -> tuple[int, str]:
+    """How many of ``allowed`` a run gets for one of ``node``'s GPUs, and the table's words for it.
+    A host that shows two threads per core gives the share's vCPUs as whole cores. One that shows
+    one thread per core (many virtual machines do, whatever the hardware underneath) gives the
+    share's core count: those cores without their second threads, a lower bound."""
+    vcpus, cores = node.vcpus // node.accelerator_count, node.cores // node.accelerator_count
+    words = (f"a {node.name}'s share per {node.accelerator_model}: {vcpus} vCPUs, {cores} cores × "
+             f"{node.threads_per_core} threads")
+    if any(len(core) > 1 for core in cores_of(allowed, siblings)):
+        return min(vcpus, len(allowed)), words
+    return min(cores, len(allowed)), f"{words}; this host shows one thread per core, so the run has {cores} " \
+                                     "cores without their second threads (a lower bound)"
+
+
 def confine(cpus: int | None) -> str:
-    """Confine this process, and what it starts from now on, to ``cpus`` of the CPUs it may use
-    (the lowest-numbered; children inherit the mask). Returns the table's words for it."""
+    """Confine this process, and what it starts from now on, to ``cpus`` of the CPUs it may use,
+    whole cores first (children inherit the mask). Returns the table's words for it."""
     allowed = sorted(os.sched_getaffinity(0))
     if cpus is None or cpus == len(allowed):
-        return f"{len(allowed)} CPUs"
+        return f"{len(allowed)} CPUs ({layout(allowed, smt_siblings)})"
     if not 1 <= cpus <= len(allowed):
         raise SystemExit(f"--cpus: got {cpus}; allowed: 1 to {len(allowed)} (the CPUs this process may use)")
-    os.sched_setaffinity(0, allowed[:cpus])
+    picked = pick_cpus(allowed, cpus, smt_siblings)
+    os.sched_setaffinity(0, picked)
     # Children read the mask when they start; this process's own thread pool was sized at import.
     torch.set_num_threads(min(torch.get_num_threads(), cpus))
-    return f"confined to {cpus} of {len(allowed)} CPUs"
+    return f"confined to {cpus} of {len(allowed)} CPUs ({layout(picked, smt_siblings)})"
 
 
 def trainer_rate(tree: Path, overrides: list[str], batch: int, warmup: int, steps: int,
@@ -408,8 +492,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--images", type=int, help="JPEGs to write (default: one epoch covers the measurement)")
     parser.add_argument("--cpus", type=int,
-                        help=f"CPUs the run may use (default: {GPU_HOST_SHARE} with a GPU, {SHARE_OF.name}'s vCPUs "
-                             f"per {SHARE_OF.accelerator_model}; every CPU without one)")
+                        help="CPUs the run may use (default with a GPU: the share per GPU of the node type that "
+                             "carries it, e.g. 12 vCPUs per A100 on a p4d.24xlarge, 24 per H100 on a p5.48xlarge, "
+                             "as whole cores, or that share's cores on a host that shows one thread per core; "
+                             "without a GPU, every CPU)")
     parser.add_argument("--json", help="write the rows here as they come")
     parser.add_argument("--lean", action="store_true",
                         help="only the trainer-against-bare rows (no loader, decoder or variant diagnostics)")
@@ -417,10 +503,14 @@ def main() -> None:
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     cuda = torch.cuda.is_available()
     device, sizes = ("cuda", GPU) if cuda else ("cpu", CPU)
-    # A host with fewer CPUs than the share runs on what it has (the table says how many).
-    cpus = confine(args.cpus if args.cpus is not None or not cuda
-                   else min(GPU_HOST_SHARE, len(os.sched_getaffinity(0))))
-    table = Table(f"{torch.cuda.get_device_name(0)}, {cpus}" if cuda else f"CPU, {cpus}", args.json)
+    if cuda:
+        gpu = torch.cuda.get_device_name(0)
+        # A host with fewer CPUs than the share runs on what it has (the table says how many).
+        default, share = share_of(node_type_for(gpu), sorted(os.sched_getaffinity(0)))
+        cpus = confine(default if args.cpus is None else args.cpus)
+        table = Table(f"{gpu}, {cpus}; {share}", args.json)
+    else:
+        table = Table(f"CPU, {confine(args.cpus)}", args.json)
     sections = args.sections.split(",")
     bare_compiled = None
     if "resnet" in sections:

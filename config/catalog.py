@@ -75,6 +75,14 @@ class InstanceType:
     efa_only_secondary: bool = False
     # Sold as EC2 Capacity Blocks for ML (nodegroup capacity type CAPACITY_BLOCK).
     capacity_blocks: bool = False
+    # Each vCPU is one hardware thread of a core (EC2 User Guide, "CPU options"); every type here
+    # runs two per core by default (DescribeInstanceTypes VCpuInfo.DefaultThreadsPerCore). So a
+    # p4d's 12 vCPUs per A100 are 6 cores, which matters for CPU-bound work such as JPEG decoding.
+    threads_per_core: int = 2
+
+    @property
+    def cores(self) -> int:
+        return self.vcpus // self.threads_per_core
 
     @property
     def family(self) -> str:

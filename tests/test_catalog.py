@@ -1,8 +1,11 @@
-"""The instance catalog against the facts table in DESIGN.md (EC2 and Neuron data)."""
+"""The instance catalog against the facts table in DESIGN.md (EC2 and Neuron data), and against
+EC2's own DescribeInstanceTypes records as moto ships them."""
 
 from __future__ import annotations
 
+import boto3
 import pytest
+from moto import mock_aws
 
 from cdk_constructs.network import RETENTION_BY_DAYS
 from config.catalog import (
@@ -83,3 +86,36 @@ def test_unknown_type_lists_the_supported_ones():
 
 def test_log_retention_choices_match_cdk():
     assert tuple(RETENTION_BY_DAYS) == LOG_RETENTION_DAYS
+
+
+@pytest.fixture(scope="module")
+def described_by_ec2() -> dict[str, dict]:
+    """EC2's DescribeInstanceTypes answer for every catalog type that moto's copy of it holds."""
+    with mock_aws():
+        pages = boto3.client("ec2", region_name="us-west-2").get_paginator("describe_instance_types").paginate()
+        return {t["InstanceType"]: t for page in pages for t in page["InstanceTypes"] if t["InstanceType"] in CATALOG}
+
+
+def test_the_catalog_agrees_with_ec2(described_by_ec2):
+    # moto's copy of the records lacks p3.8xlarge (still sold); every other type is compared.
+    assert set(CATALOG) - set(described_by_ec2) <= {"p3.8xlarge"}
+    disagreements = []
+    for name, record in sorted(described_by_ec2.items()):
+        t = CATALOG[name]
+        devices = record.get("GpuInfo", {}).get("Gpus") or record.get("NeuronInfo", {}).get("NeuronDevices") or []
+        network = record["NetworkInfo"]
+        ours = (t.vcpus, t.threads_per_core, t.memory_gib * 1024, t.accelerator_count, t.accelerator_model,
+                t.efa_interfaces)
+        theirs = (record["VCpuInfo"]["DefaultVCpus"], record["VCpuInfo"]["DefaultThreadsPerCore"],
+                  record["MemoryInfo"]["SizeInMiB"], sum(d["Count"] for d in devices),
+                  devices[0]["Name"] if devices else None,
+                  network["EfaInfo"]["MaximumEfaInterfaces"] if network.get("EfaSupported") else 0)
+        if ours != theirs:
+            disagreements.append(f"{name}: catalog {ours}, EC2 {theirs}")
+    assert not disagreements, "(vCPUs, threads per core, MiB, accelerators, model, EFA)\n" + "\n".join(disagreements)
+
+
+def test_a_p4d_share_of_cpus_is_six_cores():
+    # The throughput benchmark confines its input pipeline to this share.
+    p4d = lookup("p4d.24xlarge")
+    assert (p4d.vcpus // p4d.accelerator_count, p4d.cores // p4d.accelerator_count) == (12, 6)
