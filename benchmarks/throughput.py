@@ -148,8 +148,9 @@ def share_of(node: InstanceType, allowed: list[int],
              f"{node.threads_per_core} threads")
     if any(len(core) > 1 for core in cores_of(allowed, siblings)):
         return min(vcpus, len(allowed)), words
-    return min(cores, len(allowed)), f"{words}; this host shows one thread per core, so the run has {cores} " \
-                                     "cores without their second threads (a lower bound)"
+    count = min(cores, len(allowed))  # a smaller host gives what it has
+    return count, f"{words}; this host shows one thread per core, so the run has {count} cores without their " \
+                  "second threads (a lower bound)"
 
 
 def confine(cpus: int | None) -> str:
