@@ -49,6 +49,23 @@ def test_the_crop_is_drawn_from_the_seed_and_the_file_size_alone():
         assert 0 <= crop.top and crop.top + crop.height <= 375 and 0 <= crop.left and crop.left + crop.width <= 500
 
 
+# torchvision 0.28.0's RandomResizedCrop.get_params (scale 0.08-1, ratio 3/4-4/3) and then
+# RandomHorizontalFlip's draw, after torch.manual_seed(seed), as torchvision computed them; the
+# last three are its fallback after ten misses, the central part within the ratio bounds.
+TORCHVISIONS_CROPS = {
+    (375, 500, 3): Crop(217, 343, 141, 112, True),
+    (500, 375, 11): Crop(198, 102, 203, 201, False),
+    (50, 300, 1): Crop(7, 41, 37, 44, False),
+    (100, 1000, 0): Crop(0, 433, 100, 133, False),
+    (1000, 100, 5): Crop(433, 0, 133, 100, False),
+}
+
+
+def test_the_crop_is_torchvisions_random_resized_crop_for_the_same_seed():
+    for (height, width, seed), expected in TORCHVISIONS_CROPS.items():
+        assert random_crop(height, width, seed) == expected, (height, width, seed)
+
+
 def test_the_cpu_decoder_gives_the_workers_pixels_and_labels_exactly(folder):
     pillow = ImageFolder(folder, image_size=32)
     encoded = ImageFolder(folder, image_size=32, encoded=True)
@@ -65,10 +82,11 @@ def test_the_cpu_decoder_gives_the_workers_pixels_and_labels_exactly(folder):
 
 def test_a_file_that_fails_to_decode_is_padding_named_and_counted(folder):
     broken = folder / "c0" / "1.jpg"
-    broken.write_bytes(broken.read_bytes()[:600])  # a valid header, a truncated body
+    broken.write_bytes(broken.read_bytes()[:2000])  # a valid header (about 600 bytes), a truncated body
     dataset = ImageFolder(folder, image_size=32, encoded=True)
     position = [path for path, _ in dataset.samples].index(broken)
     batch = collate([Keyed(dataset)[key] for key in keys(len(dataset))])
+    assert position not in batch[0].ready  # the worker read its header: it reaches the decoder encoded
     feed = DeviceFeed([batch], detect("cpu"), channels_last=True, decoder=PillowDecoder(), image_size=32)
     taken = feed.take()
     assert taken.weight[position] == 0 and taken.weight.sum() == len(dataset) - 1
@@ -318,6 +336,69 @@ def test_an_operator_called_through_torch_ops_lets_other_threads_run():
     # Measured here: about 1.0 of the free rate. Code holding the GIL leaves the spinner a
     # switch interval or two: 4 % with sorted() of 3M floats in place of the matmuls.
     assert in_operator > 0.5 * free
+
+
+def torchvision_decode_importable() -> bool:
+    try:
+        from torchvision.io import decode_jpeg  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed, or PyPI's wheel beside CPU torch
+        return False
+    return True
+
+
+@pytest.mark.skipif(not torchvision_decode_importable(),
+                    reason="needs torchvision, which PyPI ships for CUDA torch only (the GPU image, or a CUDA torch on a CPU)")
+def test_the_workers_sample_is_torchvisions_random_resized_crop_and_flip(tmp_path):
+    import torchvision.transforms.functional as tvf
+    from torchvision.transforms import InterpolationMode, RandomResizedCrop
+
+    sizes = [(375, 500), (500, 375), (224, 224), (480, 640), (60, 80), (100, 1000), (1000, 100), (50, 300), (2, 3)]
+    for height, width in sizes:
+        image = torch.empty(3, height, width)
+        for seed in range(500):
+            torch.manual_seed(seed)
+            top, left, h, w = RandomResizedCrop.get_params(image, [0.08, 1.0], [3 / 4, 4 / 3])
+            flip = bool(torch.rand(1) < 0.5)  # RandomHorizontalFlip(p=0.5)
+            assert random_crop(height, width, seed) == Crop(top, left, h, w, flip), (height, width, seed)
+
+    for seed in range(8):  # the pixels: Pillow's resize, as torchvision asks it, of ImageNet-sized JPEGs
+        path = tmp_path / f"{seed}.jpg"
+        Image.fromarray(natural_image(seed, 375, 500)).save(path, quality=90)
+        with Image.open(path) as image:
+            crop = random_crop(image.height, image.width, seed)
+            ours = crop_pillow_image(image, crop, 48)
+            theirs = tvf.resized_crop(image, crop.top, crop.left, crop.height, crop.width, [48, 48], InterpolationMode.BILINEAR)
+            theirs = tvf.hflip(theirs) if crop.flip else theirs
+        assert torch.equal(ours, torch.from_numpy(np.array(theirs))), seed
+
+
+@pytest.mark.skipif(not torchvision_decode_importable(),
+                    reason="needs torchvision, which PyPI ships for CUDA torch only (the GPU image, or a CUDA torch on a CPU)")
+def test_the_device_decoder_with_torchvisions_own_decode_on_the_cpu_matches_pillow(folder):
+    """NvjpegDecoder as it is, torchvision's real decode_jpeg included, asked for the CPU: its
+    calling convention (a list, ImageReadMode.RGB, CHW uint8 back), how a bad file fails the
+    batched call, and the fallback to one by one and then to Pillow."""
+    from training.decode import NvjpegDecoder
+
+    encoded = ImageFolder(folder, image_size=32, encoded=True)
+    order = keys(len(encoded))
+    batch = collate([Keyed(encoded)[key] for key in order])
+    pixels, problems = NvjpegDecoder()(batch[0], 32, torch.device("cpu"))
+    reference, _ = PillowDecoder()(batch[0], 32, torch.device("cpu"))
+    assert problems == {} and pixels.shape == reference.shape and pixels.dtype == torch.uint8
+    assert batch[0].ready and len(batch[0].ready) < len(batch[0])  # the PNGs and the grayscale file came decoded
+    # Both decoders are libjpeg-turbo here; what differs is the resize (one level, as above).
+    assert int((pixels.int() - reference.int()).abs().max()) <= 1
+
+    broken = folder / "c0" / "1.jpg"
+    broken.write_bytes(broken.read_bytes()[:2000])  # a valid header (about 600 bytes), a truncated body
+    position = [path for path, _ in encoded.samples].index(broken)
+    batch = collate([Keyed(ImageFolder(folder, image_size=32, encoded=True))[key] for key in order])
+    assert position not in batch[0].ready  # the worker read its header: it reaches the decoder encoded
+    again, problems = NvjpegDecoder()(batch[0], 32, torch.device("cpu"))
+    assert list(problems) == [position] and str(broken) in problems[position]
+    others = [i for i in range(len(pixels)) if i != position]
+    assert torch.equal(again[others], pixels[others])  # the rest decoded one by one, as in the batch
 
 
 def test_the_device_decoders_logic_matches_pillows_with_the_jpeg_decode_done_by_pillow(folder):

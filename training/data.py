@@ -64,14 +64,19 @@ class Crop:
 
 def random_crop(height: int, width: int, seed: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> Crop:
     """Inception-style augmentation of an image of ``height`` x ``width``: a random area and
-    aspect ratio, and a coin flip for the mirror image."""
+    aspect ratio, and a coin flip for the mirror image.
+
+    The draws, their float32 arithmetic and the fallback after ten misses are torchvision's
+    (``RandomResizedCrop.get_params`` and ``RandomHorizontalFlip``, transforms/transforms.py,
+    v0.28.0), from a generator seeded with ``seed`` instead of the global one: the same crop as
+    torchvision's after ``torch.manual_seed(seed)`` (tests/test_device_decode.py)."""
     generator = _generator(seed)
     area = height * width
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    log_ratio = _log_bounds(tuple(ratio))
     crop = None
     for _ in range(10):
-        target = area * float(torch.empty(1).uniform_(*scale, generator=generator))
-        aspect = math.exp(float(torch.empty(1).uniform_(*log_ratio, generator=generator)))
+        target = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
+        aspect = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=generator)).item()
         w = round(math.sqrt(target * aspect))
         h = round(math.sqrt(target / aspect))
         if 0 < w <= width and 0 < h <= height:
@@ -79,10 +84,22 @@ def random_crop(height: int, width: int, seed: int, scale=(0.08, 1.0), ratio=(3 
             left = int(torch.randint(0, width - w + 1, (1,), generator=generator))
             crop = Crop(top, left, h, w)
             break
-    if crop is None:  # an extreme aspect ratio: the central square
-        crop = center_crop(height, width, 1.0)
+    if crop is None:  # a panorama, say: the central part whose aspect ratio is within bounds
+        h, w = height, width
+        if width / height < min(ratio):
+            h = round(width / min(ratio))
+        elif width / height > max(ratio):
+            w = round(height * max(ratio))
+        crop = Crop((height - h) // 2, (width - w) // 2, h, w)
     flip = bool(torch.rand(1, generator=generator) < 0.5)
     return Crop(crop.top, crop.left, crop.height, crop.width, flip)
+
+
+@functools.lru_cache(maxsize=8)
+def _log_bounds(ratio: tuple[float, float]) -> tuple[float, float]:
+    """The aspect ratio's bounds as logs, in float32 as torchvision takes them."""
+    low, high = torch.log(torch.tensor(ratio)).tolist()
+    return low, high
 
 
 def center_crop(height: int, width: int, fraction: float = 0.875) -> Crop:
