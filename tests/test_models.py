@@ -1,4 +1,5 @@
-"""The trainer's models: architecture held against reference parameter counts and published sizes."""
+"""The trainer's models held against the reference implementations (their parameter counts, and
+their outputs for the same weights) and against the published sizes."""
 
 from __future__ import annotations
 
@@ -48,6 +49,61 @@ def test_efficientnet_scaling_rule_grows_every_member():
     assert build_model("efficientnet_b7").resolution == 600
 
 
+# Batch norm (eps, momentum) as torchvision builds each model (torchvision/models/efficientnet.py,
+# v0.28.0): torch's defaults, except TensorFlow's for the EfficientNets ported from it.
+REFERENCE_NORMS = {name: (1e-5, 0.1) for name in ("resnet18", "resnet50", *(f"efficientnet_b{i}" for i in range(5)))}
+REFERENCE_NORMS.update({f"efficientnet_b{i}": (1e-3, 0.01) for i in (5, 6, 7)})
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_NORMS))
+def test_batch_norm_settings_are_the_reference_implementations(name):
+    norms = {(m.eps, m.momentum) for m in build_model(name).modules() if isinstance(m, torch.nn.BatchNorm2d)}
+    assert norms == {REFERENCE_NORMS[name]}
+
+
+def torchvision_models_importable() -> bool:
+    try:
+        import torchvision.models  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed, or PyPI's wheel beside CPU torch
+        return False
+    return True
+
+
+@pytest.mark.skipif(not torchvision_models_importable(),
+                    reason="needs torchvision, which PyPI ships for CUDA torch only (the GPU image, or a CUDA torch on a CPU)")
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "efficientnet_b0", "efficientnet_b7"])
+def test_the_cnn_computes_torchvisions_function(name):
+    """torchvision's model and ours, given the same weights and running statistics, agree in
+    training and evaluation mode and update their statistics alike: equal parameter counts
+    leave a stride, a residual or a batch norm setting unchecked."""
+    import torchvision
+
+    torch.manual_seed(0)
+    ours, theirs = build_model(name).double(), getattr(torchvision.models, name)().double()
+    state = theirs.state_dict()
+    for key, value in state.items():  # away from the initial values, where a difference could hide
+        if "running_var" in key:
+            value.uniform_(0.5, 1.5)
+        elif "running_mean" in key or "bias" in key:
+            value.normal_(0, 0.05)
+        elif key.endswith("weight") and value.dim() == 1:
+            value.uniform_(0.8, 1.2)
+    theirs.load_state_dict(state)
+    assert [v.shape for v in ours.state_dict().values()] == [v.shape for v in state.values()]
+    ours.load_state_dict(dict(zip(ours.state_dict(), state.values())))
+    images = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    for mode in ("eval", "train"):  # train: batch statistics, stochastic depth and dropout drawn alike
+        ours.train(mode == "train"), theirs.train(mode == "train")
+        with torch.no_grad():
+            torch.manual_seed(1)
+            mine = ours(images)
+            torch.manual_seed(1)
+            reference = theirs(images)
+        torch.testing.assert_close(mine, reference, rtol=1e-9, atol=1e-9, msg=f"{name} in {mode} mode")
+    for mine, reference in zip(ours.state_dict().values(), theirs.state_dict().values()):
+        torch.testing.assert_close(mine, reference, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("name", ["resnet18", "efficientnet_b0"])
 def test_image_models_classify_and_train(name):
     model = build_model(name, num_classes=10)
@@ -55,6 +111,59 @@ def test_image_models_classify_and_train(name):
     loss = torch.nn.functional.cross_entropy(model(images), torch.tensor([1, 7]))
     loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def hugging_face_names(model) -> dict[str, torch.Tensor]:
+    """The trainer's BERT weights under transformers' BertForMaskedLM names."""
+    ours, theirs = model.state_dict(), {}
+    embeddings = "bert.embeddings."
+    for mine, name in [("word", "word_embeddings"), ("position", "position_embeddings"), ("token_type", "token_type_embeddings")]:
+        theirs[f"{embeddings}{name}.weight"] = ours[f"{mine}.weight"]
+    pairs = {"embed_norm": f"{embeddings}LayerNorm", "mlm_transform.0": "cls.predictions.transform.dense",
+             "mlm_transform.2": "cls.predictions.transform.LayerNorm"}
+    for i in range(len(model.layers)):
+        layer, mine = f"bert.encoder.layer.{i}.", f"layers.{i}."
+        for which, name in enumerate(("query", "key", "value")):  # our fused projection's thirds
+            for kind in ("weight", "bias"):
+                theirs[f"{layer}attention.self.{name}.{kind}"] = ours[f"{mine}qkv.{kind}"].chunk(3)[which]
+        pairs |= {f"{mine}proj": f"{layer}attention.output.dense", f"{mine}norm1": f"{layer}attention.output.LayerNorm",
+                  f"{mine}ffn.0": f"{layer}intermediate.dense", f"{mine}ffn.2": f"{layer}output.dense",
+                  f"{mine}norm2": f"{layer}output.LayerNorm"}
+    for mine, name in pairs.items():
+        for kind in ("weight", "bias"):
+            theirs[f"{name}.{kind}"] = ours[f"{mine}.{kind}"]
+    theirs["cls.predictions.bias"] = theirs["cls.predictions.decoder.bias"] = ours["mlm_bias"]
+    theirs["cls.predictions.decoder.weight"] = ours["word.weight"]  # tied to the word embeddings in both
+    return theirs
+
+
+@pytest.mark.parametrize("name, sizes", [
+    ("bert_tiny", {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 2, "intermediate_size": 512}),
+    ("bert_base", {}),  # transformers' BertConfig defaults are BERT-base's
+])
+def test_bert_computes_hugging_faces_bert_for_masked_lm(name, sizes):
+    """Same weights, same logits and loss as transformers' BertForMaskedLM, padding included:
+    the layer order, the erf GELU, LayerNorm's epsilon, the attention's scaling and mask."""
+    from transformers import BertConfig
+    from transformers import BertForMaskedLM as Reference
+
+    torch.manual_seed(0)
+    ours = build_model(name).double().eval()
+    for parameter in ours.parameters():  # biases and norms away from 0 and 1 too
+        torch.nn.init.normal_(parameter, std=0.05)
+    reference = Reference(BertConfig(**sizes)).double().eval()
+    reference.load_state_dict(hugging_face_names(ours), strict=True)
+    tokens = torch.randint(0, 30522, (3, 32))
+    attention_mask = torch.ones(3, 32, dtype=torch.long)
+    attention_mask[1, 20:], attention_mask[2, 5:] = 0, 0
+    labels = torch.full((3, 32), -100)
+    labels[:, 2], labels[0, 10], labels[1, 15] = tokens[:, 2], 7, 9
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens, attention_mask),
+                                   reference(input_ids=tokens, attention_mask=attention_mask).logits, rtol=1e-9, atol=1e-9)
+        loss = ours(tokens, attention_mask, labels=labels, max_predictions=5)  # cross-entropy in float32, as in training
+        expected = reference(input_ids=tokens, attention_mask=attention_mask, labels=labels).loss
+    assert abs(float(loss) - float(expected)) < 1e-5
 
 
 def test_masked_lm_loss_counts_only_masked_positions():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -22,12 +24,22 @@ B0_STAGES = (
 
 @dataclass(frozen=True)
 class Scaling:
-    """The compound coefficients of one family member: width, depth, input resolution, dropout."""
+    """The compound coefficients of one family member: width, depth, input resolution, dropout;
+    and its batch norm's epsilon and momentum."""
 
     width: float
     depth: float
     resolution: int
     dropout: float
+    norm_eps: float = 1e-5
+    norm_momentum: float = 0.1
+
+
+# torchvision builds B5-B7 with TensorFlow's batch norm settings (the reference implementation's
+# 0.99 decay is momentum 0.01 here) and B0-B4 with torch's defaults: torchvision/models/
+# efficientnet.py, efficientnet_b5..b7, v0.28.0. Same layers, different function: the eval
+# outputs of B7 differed by 0.1 % of their size with torch's defaults.
+TF_NORM = {"norm_eps": 1e-3, "norm_momentum": 0.01}
 
 
 SCALINGS = {
@@ -36,9 +48,9 @@ SCALINGS = {
     "efficientnet_b2": Scaling(1.1, 1.2, 260, 0.3),
     "efficientnet_b3": Scaling(1.2, 1.4, 300, 0.3),
     "efficientnet_b4": Scaling(1.4, 1.8, 380, 0.4),
-    "efficientnet_b5": Scaling(1.6, 2.2, 456, 0.4),
-    "efficientnet_b6": Scaling(1.8, 2.6, 528, 0.5),
-    "efficientnet_b7": Scaling(2.0, 3.1, 600, 0.5),
+    "efficientnet_b5": Scaling(1.6, 2.2, 456, 0.4, **TF_NORM),
+    "efficientnet_b6": Scaling(1.8, 2.6, 528, 0.5, **TF_NORM),
+    "efficientnet_b7": Scaling(2.0, 3.1, 600, 0.5, **TF_NORM),
 }
 
 
@@ -48,8 +60,11 @@ def _round_channels(channels: float, divisor: int = 8) -> int:
     return rounded + divisor if rounded < 0.9 * channels else rounded
 
 
-def _conv_bn_act(cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1, act: bool = True) -> nn.Sequential:
-    layers = [nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)]
+Norm = Callable[[int], nn.Module]
+
+
+def _conv_bn_act(cin: int, cout: int, kernel: int, norm: Norm, stride: int = 1, groups: int = 1, act: bool = True) -> nn.Sequential:
+    layers = [nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False), norm(cout)]
     return nn.Sequential(*layers, nn.SiLU(inplace=True)) if act else nn.Sequential(*layers)
 
 
@@ -67,14 +82,14 @@ class SqueezeExcite(nn.Module):
 class MBConv(nn.Module):
     """Inverted residual: expand 1x1, depthwise kxk, squeeze-excite, project 1x1."""
 
-    def __init__(self, cin: int, cout: int, expand: int, kernel: int, stride: int, drop_path: float):
+    def __init__(self, cin: int, cout: int, expand: int, kernel: int, stride: int, drop_path: float, norm: Norm):
         super().__init__()
         hidden = _round_channels(cin * expand)
-        layers = [] if hidden == cin else [_conv_bn_act(cin, hidden, 1)]
+        layers = [] if hidden == cin else [_conv_bn_act(cin, hidden, 1, norm)]
         layers += [
-            _conv_bn_act(hidden, hidden, kernel, stride, groups=hidden),
+            _conv_bn_act(hidden, hidden, kernel, norm, stride, groups=hidden),
             SqueezeExcite(hidden, max(1, cin // 4)),
-            _conv_bn_act(hidden, cout, 1, act=False),
+            _conv_bn_act(hidden, cout, 1, norm, act=False),
         ]
         self.body = nn.Sequential(*layers)
         self.residual = stride == 1 and cin == cout
@@ -100,18 +115,20 @@ class EfficientNet(nn.Module):
             for e, k, s, i, o, n in B0_STAGES
         ]
         total = sum(stage[-1] for stage in stages)
-        self.stem = _conv_bn_act(3, stages[0][3], 3, 2)
+        norm = partial(nn.BatchNorm2d, eps=scaling.norm_eps, momentum=scaling.norm_momentum)
+        self.stem = _conv_bn_act(3, stages[0][3], 3, norm, 2)
         blocks, index = [], 0
         for expand, kernel, stride, cin, cout, layers in stages:
             for j in range(layers):
                 blocks.append(
-                    MBConv(cin if j == 0 else cout, cout, expand, kernel, stride if j == 0 else 1, stochastic_depth * index / total)
+                    MBConv(cin if j == 0 else cout, cout, expand, kernel, stride if j == 0 else 1,
+                           stochastic_depth * index / total, norm)
                 )
                 index += 1
         self.blocks = nn.Sequential(*blocks)
         last = stages[-1][4]
         self.head = nn.Sequential(
-            _conv_bn_act(last, 4 * last, 1),
+            _conv_bn_act(last, 4 * last, 1, norm),
             nn.AdaptiveAvgPool2d(1),
             nn.Flatten(),
             nn.Dropout(scaling.dropout),
