@@ -21,6 +21,7 @@ from training.decode import EncodedImages, PillowDecoder, build_decoder, collate
 from training.device import DeviceFeed, detect
 from training.imagenet import natural_image
 from training.sampler import SampleKey
+from tests.reference_libraries import needs_torchvision
 
 
 @pytest.fixture
@@ -338,16 +339,7 @@ def test_an_operator_called_through_torch_ops_lets_other_threads_run():
     assert in_operator > 0.5 * free
 
 
-def torchvision_decode_importable() -> bool:
-    try:
-        from torchvision.io import decode_jpeg  # noqa: F401
-    except Exception:  # noqa: BLE001 - not installed, or PyPI's wheel beside CPU torch
-        return False
-    return True
-
-
-@pytest.mark.skipif(not torchvision_decode_importable(),
-                    reason="needs torchvision, which PyPI ships for CUDA torch only (the GPU image, or a CUDA torch on a CPU)")
+@needs_torchvision
 def test_the_workers_sample_is_torchvisions_random_resized_crop_and_flip(tmp_path):
     import torchvision.transforms.functional as tvf
     from torchvision.transforms import InterpolationMode, RandomResizedCrop
@@ -372,8 +364,7 @@ def test_the_workers_sample_is_torchvisions_random_resized_crop_and_flip(tmp_pat
         assert torch.equal(ours, torch.from_numpy(np.array(theirs))), seed
 
 
-@pytest.mark.skipif(not torchvision_decode_importable(),
-                    reason="needs torchvision, which PyPI ships for CUDA torch only (the GPU image, or a CUDA torch on a CPU)")
+@needs_torchvision
 def test_the_device_decoder_with_torchvisions_own_decode_on_the_cpu_matches_pillow(folder):
     """NvjpegDecoder as it is, torchvision's real decode_jpeg included, asked for the CPU: its
     calling convention (a list, ImageReadMode.RGB, CHW uint8 back), how a bad file fails the

@@ -8,6 +8,7 @@ import torch
 
 from training.models import MODEL_NAMES, build_model, parameter_count
 from training.models.efficientnet import SCALINGS
+from tests.reference_libraries import needs_torchvision
 
 # Exact counts of the reference implementations (torchvision for the CNNs, Hugging Face
 # BertForMaskedLM for BERT): equal counts mean the same layers with the same shapes.
@@ -61,16 +62,7 @@ def test_batch_norm_settings_are_the_reference_implementations(name):
     assert norms == {REFERENCE_NORMS[name]}
 
 
-def torchvision_models_importable() -> bool:
-    try:
-        import torchvision.models  # noqa: F401
-    except Exception:  # noqa: BLE001 - not installed, or PyPI's wheel beside CPU torch
-        return False
-    return True
-
-
-@pytest.mark.skipif(not torchvision_models_importable(),
-                    reason="needs torchvision, which PyPI ships for CUDA torch only (the GPU image, or a CUDA torch on a CPU)")
+@needs_torchvision
 @pytest.mark.parametrize("name", ["resnet18", "resnet50", "efficientnet_b0", "efficientnet_b7"])
 def test_the_cnn_computes_torchvisions_function(name):
     """torchvision's model and ours, given the same weights and running statistics, agree in
