@@ -83,7 +83,7 @@ def test_the_cpu_decoder_gives_the_workers_pixels_and_labels_exactly(folder):
 
 def test_a_file_that_fails_to_decode_is_padding_named_and_counted(folder):
     broken = folder / "c0" / "1.jpg"
-    broken.write_bytes(broken.read_bytes()[:2000])  # a valid header (about 600 bytes), a truncated body
+    broken.write_bytes(broken.read_bytes()[:2000])  # the header whole (the scan starts at byte 609), the body cut
     dataset = ImageFolder(folder, image_size=32, encoded=True)
     position = [path for path, _ in dataset.samples].index(broken)
     batch = collate([Keyed(dataset)[key] for key in keys(len(dataset))])
@@ -382,7 +382,7 @@ def test_the_device_decoder_with_torchvisions_own_decode_on_the_cpu_matches_pill
     assert int((pixels.int() - reference.int()).abs().max()) <= 1
 
     broken = folder / "c0" / "1.jpg"
-    broken.write_bytes(broken.read_bytes()[:2000])  # a valid header (about 600 bytes), a truncated body
+    broken.write_bytes(broken.read_bytes()[:2000])  # the header whole (the scan starts at byte 609), the body cut
     position = [path for path, _ in encoded.samples].index(broken)
     batch = collate([Keyed(ImageFolder(folder, image_size=32, encoded=True))[key] for key in order])
     assert position not in batch[0].ready  # the worker read its header: it reaches the decoder encoded
