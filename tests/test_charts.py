@@ -147,6 +147,16 @@ def test_gpus_efa_and_nproc_come_from_the_catalog(instance_type):
     assert int(c["resources"]["requests"]["cpu"]) < facts.vcpus  # headroom for the system
 
 
+def test_the_job_specs_scale_up_window_reaches_the_rendezvous():
+    data = yaml.safe_load((EXAMPLES / "resnet50-p4d.yaml").read_text())
+    spec = parse_job_spec({**data, "scale_up_after_s": 5}, CONFIG)
+    from k8s_charts.job_charts import pod_command
+
+    assert "scale_up_after_s=5," in flag(pod_command(spec, CONFIG, ["train"]), "rdzv-conf")
+    with pytest.raises(ConfigError, match="scale_up_after_s"):
+        parse_job_spec({**data, "scale_up_after_s": -1}, CONFIG)
+
+
 def test_the_training_job_runs_the_platform_launcher_with_its_settings():
     job = the_job(RENDERED, "resnet50-imagenet")
     command = container(job)["command"]
@@ -160,8 +170,9 @@ def test_the_training_job_runs_the_platform_launcher_with_its_settings():
     assert flag(command, "nnodes") == "2:4" and job["spec"]["minAvailable"] == 2
     assert job["spec"]["tasks"][0]["replicas"] == 4
     assert flag(command, "rdzv-backend") == "platform-etcd" and flag(command, "start-method") == "fork"
-    assert "keep_alive_interval=0.25" in flag(command, "rdzv-conf") and "outage_tolerance=120" in flag(
+    assert "keep_alive_interval=0.25" in flag(command, "rdzv-conf") and "outage_tolerance=600" in flag(
         command, "rdzv-conf")
+    assert f"scale_up_after_s={spec.scale_up_after_s}" in flag(command, "rdzv-conf")
     # torchrun's 30 s default would SIGKILL checkpointing workers long before the pod's grace ends.
     assert int(flag(command, "shutdown-timeout")) == TERMINATION_GRACE_SECONDS - 15
     env = {e["name"]: e for e in container(job)["env"]}
@@ -242,12 +253,14 @@ def test_trn1_runs_one_worker_per_neuron_core_with_its_compile_cache_on_fsx_and_
 # --- platform charts --------------------------------------------------------------------------
 
 
-def test_etcd_serves_v2_on_a_stable_service_from_system_nodes():
+def test_etcd_serves_the_v3_api_on_a_stable_service_from_system_nodes():
     deployment = next(o for o in RENDERED["etcd"] if o["kind"] == "Deployment")
     service = next(o for o in RENDERED["etcd"] if o["kind"] == "Service")
     pod = deployment["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
-    assert "--enable-v2=true" in args and "--listen-client-urls=http://0.0.0.0:2379" in args
+    # The rendezvous needs only v3 (etcd 3.6 removed v2); Raft timing that lets a lease be 1 s.
+    assert not [a for a in args if "enable-v2" in a] and "--listen-client-urls=http://0.0.0.0:2379" in args
+    assert {"--heartbeat-interval=50", "--election-timeout=500"} <= set(args)
     assert pod["containers"][0]["image"].startswith("quay.io/coreos/etcd:v3.5.")
     assert pod["nodeSelector"] == {"training-platform/node-role": "system"}
     assert {"readinessProbe", "livenessProbe"} <= set(pod["containers"][0])

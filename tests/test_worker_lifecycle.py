@@ -99,45 +99,6 @@ def test_a_crash_loop_still_runs_out_of_restarts(tmp_path, etcd_module):
     assert output.count("failed (exitcode: -9)") == 3  # two restarts, then it gave up
 
 
-def test_a_node_notices_a_dead_member_of_its_round_within_a_heartbeat_expiry(etcd_module, monkeypatch):
-    """torch leaves the round complete when a member's heartbeats stop, so the survivor's agent would
-    learn of the death only from its workers: minutes when they are waiting for the dead node's store."""
-    import threading
-
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-
-    from training import rendezvous
-    from training.launch import PLATFORM_TUNING
-
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    rendezvous.register()
-    conf = dict(item.split("=") for item in PLATFORM_TUNING.conf().split(","))
-    run_id = f"dead-member-{time.time_ns()}"
-    survivor, victim = (rendezvous.PlatformRendezvousHandler.create(RendezvousParameters(
-        backend=rendezvous.BACKEND_NAME, endpoint=etcd_module, run_id=run_id, min_nodes=2, max_nodes=2,
-        local_addr="127.0.0.1", **conf)) for _ in range(2))
-    joined = [threading.Thread(target=h.next_rendezvous) for h in (survivor, victim)]
-    for thread in joined:
-        thread.start()
-    for thread in joined:
-        thread.join(timeout=60)
-    try:
-        quiet_until = time.monotonic() + 3  # both heartbeat: nothing to report
-        while time.monotonic() < quiet_until:
-            assert survivor.num_nodes_waiting() == 0
-            time.sleep(0.1)
-        victim._stop_heartbeats()  # its pod is gone
-        died = time.monotonic()
-        while survivor.num_nodes_waiting() == 0:
-            assert time.monotonic() - died < 10, "the survivor never noticed"
-            time.sleep(0.05)
-        expiry = PLATFORM_TUNING.keep_alive_interval * PLATFORM_TUNING.keep_alive_max_attempt
-        assert time.monotonic() - died < expiry + 2
-    finally:
-        survivor.shutdown()
-        victim.shutdown()
-
-
 def test_a_worker_stuck_waiting_for_a_dead_peer_stops_at_once_on_sigterm(tmp_path):
     """Blocked in init_process_group (C++), Python runs no signal handler: without the wake-up
     pipe the agent would wait its whole stop budget before SIGKILL, at every such restart."""

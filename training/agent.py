@@ -26,6 +26,9 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from training.launch import EXIT_MEMBERSHIP_CHANGE, FINAL_EXITS
 
 log = logging.getLogger("training.launch")
+# Seconds between SIGTERM and SIGKILL for workers that lost a peer: enough to exit if they are not
+# blocked in a collective, and nothing is lost by not waiting longer (no checkpoint can complete).
+LOST_PEER_STOP_S = 0.5
 
 
 class PlatformAgent(LocalElasticAgent):
@@ -34,18 +37,30 @@ class PlatformAgent(LocalElasticAgent):
         self._newest_checkpoint = newest_checkpoint
         self._checkpoint_at_start: int | None = None
         self.free_restarts = 0  # failures that did not count against --max-restarts
+        self._workers_failed = False  # a worker of this node failed: its siblings wait on it in collectives
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._checkpoint_at_start = self._newest_checkpoint()
         return super()._start_workers(worker_group)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        self._shutdown(timeout=self._shutdown_timeout)
+        # A restart the workers can checkpoint through gets their whole budget; after a peer was
+        # lost they would wait on its collectives until a timeout, so they stop at once.
+        graceful = getattr(worker_group.spec.rdzv_handler, "stop_gracefully", True) and not self._workers_failed
+        self._workers_failed = False
+        self._shutdown(timeout=self._shutdown_timeout if graceful else LOST_PEER_STOP_S)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.SUCCEEDED:
+            # The job is done: close the rendezvous now, before this agent leaves it, so a pod that
+            # arrives late exits at once instead of starting a round of its own.
+            close = getattr(worker_group.spec.rdzv_handler, "close_round", None)
+            if close is not None:
+                close()
         if result.state != WorkerState.FAILED:
             return result
+        self._workers_failed = True
         codes = {failure.exitcode for failure in result.failures.values()}
         if codes & set(FINAL_EXITS):
             log.error("a worker exited %s: ending the job without a restart", sorted(codes & set(FINAL_EXITS))[0])

@@ -227,3 +227,75 @@ def incarnation_drill(work: Path, samples: int = 120_000) -> DrillResult:
                 agent.stop()
                 result.outputs[agent.name] = agent.output()
     return result
+
+
+@dataclass
+class ScaleResult:
+    """What one wave of arrivals cost a job (:func:`scale_drill`)."""
+
+    agents: int
+    spread_s: float
+    full_world_s: float | None = None  # from the first arrival to the first step at full size
+    after_last_arrival_s: float | None = None  # from the last arrival to the first step at full size
+    restarts: int = 0  # rounds after the first one, until full size
+    steady_s: float = 0.0
+    steady_rounds: int = 0  # rounds during the steady window (0: nothing restarted)
+    writes_per_s: float = 0.0  # etcd Raft proposals committed a second during the steady window
+    reads_per_s: float = 0.0  # etcd range requests a second during the steady window
+    etcd_cpu_pct: float = 0.0  # of one core, during the steady window
+    kill_to_step_s: float | None = None  # SIGKILL of one node -> first step of the smaller world
+    exit_codes: dict[str, int] = field(default_factory=dict)
+
+
+def etcd_metrics(endpoint: str) -> dict[str, float]:
+    """A few counters of etcd's Prometheus endpoint (same port as the client API)."""
+    import urllib.request
+
+    wanted = {"etcd_server_proposals_committed_total", "etcd_mvcc_range_total", "process_cpu_seconds_total"}
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
+    return {name: float(value) for name, value in (line.split() for line in text.splitlines()
+                                                   if line.split(" ")[0] in wanted)}
+
+
+def scale_drill(work: Path, agents: int, spread_s: float = 0.0, steady_s: float = 30.0, kill: bool = True,
+                tuning=None, samples: int = 2_000_000, timeout_s: float = 600) -> ScaleResult:
+    """``agents`` nodes arrive (at once, or evenly over ``spread_s``), train steadily for ``steady_s``,
+    then one is SIGKILLed. Every agent runs the pod's command (``python -m training.launch``)."""
+    from training.launch import PLATFORM_TUNING
+
+    work.mkdir(parents=True, exist_ok=True)
+    result = ScaleResult(agents, spread_s)
+    running: list[Agent] = []
+    args = [*trainer_args(work, samples), "--train.log_every_steps=1"]  # a step event for every step
+    with LocalEtcd() as endpoint:
+        try:
+            first = time.time()
+            for index in range(agents):
+                due = first + (spread_s * index / (agents - 1) if agents > 1 else 0)
+                time.sleep(max(0.0, due - time.time()))
+                running.append(Agent(f"n{index:02d}", endpoint, "scale", work, args, min_nodes=1, max_nodes=agents,
+                                     max_restarts=100, tuning=tuning or PLATFORM_TUNING))
+            last = time.time()
+            full = wait_until(lambda: [e for e in events(work, "step") if e["world_size"] == agents],
+                              f"a world of {agents}", timeout_s, running, poll=0.2)[0]
+            result.full_world_s = round(full["time"] - first, 1)
+            result.after_last_arrival_s = round(full["time"] - last, 1)
+            result.restarts = len([e for e in events(work, "rendezvous") if e["time"] <= full["time"]]) - 1
+            before, at = etcd_metrics(endpoint), time.time()
+            time.sleep(steady_s)
+            after, result.steady_s = etcd_metrics(endpoint), time.time() - at
+            result.steady_rounds = len([e for e in events(work, "rendezvous") if e["time"] > at])
+            rate = {key: (after[key] - before[key]) / result.steady_s for key in after}
+            result.writes_per_s = round(rate["etcd_server_proposals_committed_total"], 2)
+            result.reads_per_s = round(rate["etcd_mvcc_range_total"], 1)
+            result.etcd_cpu_pct = round(100 * rate["process_cpu_seconds_total"], 1)
+            if kill:
+                killed = running[-1].kill_node()
+                step = wait_until(lambda: _steps_at(work, killed, agents - 1), "the smaller world's first step",
+                                  timeout_s, running, poll=0.02)[0]
+                result.kill_to_step_s = round(step["time"] - killed, 2)
+        finally:
+            for agent in running:
+                agent.stop()
+                result.exit_codes[agent.name] = agent.proc.returncode
+    return result

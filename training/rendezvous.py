@@ -1,88 +1,97 @@
-"""The platform's rendezvous: torch's dynamic rendezvous on etcd (v2 API), made to outlive etcd.
+"""The platform's rendezvous for torchrun, on etcd's v3 API: leases for liveness, transactions for rounds.
 
-torch 2.13's agents poll ``num_nodes_waiting()`` between worker health checks and exit on the
-first ``RendezvousConnectionError`` (torch/distributed/elastic/agent/server/api.py
-``_invoke_run``), so a few seconds without etcd ended every running job, and the dying agents
-closed the rendezvous (launcher/api.py ``launch_agent``: ``shutdown()`` in ``finally``). This
-handler (registered by :mod:`training.launch` as ``platform-etcd``) differs from
-``etcd-v2`` in four ways and in nothing else:
+Registered by :mod:`training.launch` as ``platform-etcd``. torch's own ``etcd-v2`` backend (and
+this module's earlier form on it) keeps the whole rendezvous in one pickled key that every
+agent's heartbeat rewrites by compare-and-swap, speaks the v2 API that etcd 3.6 removed, and
+restarts the worker group whenever any node waits (torch 2.13 ``agent/server/api.py``
+``_invoke_run``: ``num_nodes_waiting() > 0``), with one ``last_call_timeout`` for growing and
+shrinking alike. Measured here with 8 and 16 agents, a job restarted for every arrival and
+never reached its full size. This handler implements torch's ``RendezvousHandler`` interface
+(``rendezvous/api.py``) from scratch instead:
 
-- **Outages are waited out.** While etcd is unreachable, ``num_nodes_waiting()`` answers 0
-  (nobody can be waiting on a store nobody can reach) and ``next_rendezvous()`` retries, for
-  up to ``outage_tolerance`` seconds; only beyond that does the error reach the agent.
-- **Missed heartbeats are not deaths.** Heartbeats missed during an outage would make every
-  node look dead to the first node that reads the state afterwards. A node is declared dead
-  only if etcd answered promptly for a whole expiry and the node did not heartbeat: the clock
-  restarts at every failed request, or one slower than a heartbeat interval (etcd restarting).
-- **A node that lost its place rejoins.** If the state no longer lists this node in the
-  round it joined (etcd came back empty, or a peer declared it dead), it reports a waiting
-  node, so its agent re-rendezvouses with everyone (its workers checkpoint on the way out)
-  instead of training on beside a second world.
-- **A dead peer restarts the round.** torch removes a node whose heartbeats stopped from the
-  participants (``_sanitize``) but leaves the round complete, so the survivors' agents notice
-  only when their workers fail: at once in a gloo collective, after the collective timeout
-  with NCCL, after the TCPStore connect timeout (minutes) while workers start. Here a node
-  that sees a member of its round gone reports a waiting node, and its agent restarts the
-  workers into a new round about one heartbeat expiry (1.5 s) after the death; like any
-  membership change, that does not count against ``--max-restarts``.
-- **Only success closes the round.** ``shutdown()`` leaves the round open; the launcher
-  closes it after the job finished. A failed agent therefore never strands its peers or the
-  pod that replaces it.
+- **Liveness is a lease.** Each agent holds one etcd lease, renewed every
+  ``keep_alive_interval``, and one key ``node/<id>`` attached to it. A heartbeat renews the
+  lease and writes nothing; a node that dies disappears when its lease expires
+  (``lease_ttl``, raised by etcd to its minimum: 1 s with the platform's etcd flags), and
+  one that stops cleanly revokes it and disappears at once.
+- **Rounds change in transactions.** ``state`` holds the current round: its id, whether it is
+  forming or running, its members in rank order and the rank-0 address. Only joins,
+  completions and new rounds write it, each a compare-on-revision transaction.
+- **Shrink has no last call.** A round re-forming after a loss completes as soon as every
+  live member of the previous round has re-joined; a dead member is known by its missing key.
+- **Growth is batched.** A node that arrives while a round is running waits; the running
+  members admit all waiting nodes together, once the round has trained for
+  ``scale_up_after_s`` since it started (its first progress report, see
+  :data:`training.launch.PROGRESS_FILE_ENV`). A growing round then waits
+  ``last_call_timeout`` for more arrivals. Below ``min_nodes`` nothing waits.
+- **Newcomers count only when ready.** An agent registers as waiting after its warm-up
+  (``training.launch`` imports the trainer into the agent before that, so forked workers
+  start warm).
+- **etcd outages are waited out** for ``outage_tolerance`` seconds at every call, from the
+  agent's first moment: a running job trains on, a joining agent keeps trying. Leases
+  survive an etcd restart (etcd renews every lease when a leader takes over); a lost lease
+  (etcd came back empty) is re-granted and the node re-joins.
+- **Only success closes the round** (:meth:`EtcdRendezvousHandler.close_round`, called by
+  the launcher after the job finished); a failed agent never strands its peers.
 
-Keep-alive intervals and timeouts may be fractions of a second (torch's parser takes whole
-seconds), and a waiting rendezvous polls etcd ten times a second instead of once: that is what
-makes recovery from a lost node fast.
+The agents' bootstrap store (rank assignment, the exit barrier) is :class:`EtcdStore`, under
+the round's own prefix; the workers' store is the TCPStore that rank 0's worker hosts at the
+address the round's state names (``use_agent_store`` is false).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import socket
 import threading
 import time
-from dataclasses import fields, replace
-from datetime import datetime, timedelta, timezone
+import uuid
+from dataclasses import dataclass, field, fields, replace
+from datetime import timedelta
+from typing import Any, Callable
 
-import etcd  # python-etcd, which torch's etcd-v2 backend uses
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousParameters
-from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler, RendezvousSettings, RendezvousTimeout, _BackendRendezvousStateHolder,
-    _RendezvousKeepAliveOp,
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError, RendezvousConnectionError, RendezvousHandler, RendezvousInfo, RendezvousParameters,
+    RendezvousStoreInfo, RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.registry import handler_registry
 
-from training.launch import RendezvousTuning
+from training.etcd_v3 import (
+    EtcdClient, EtcdUnavailable, KeyValue, op_delete, op_put, op_range, unchanged_since,
+)
+from training.launch import PROGRESS_FILE_ENV, STOP_BUDGET_ENV, RendezvousTuning
 
 log = logging.getLogger(__name__)
 BACKEND_NAME = "platform-etcd"
-CLOSE_TIMEOUT_S = 30
-# The handlers this process created; the launcher closes their round after success.
-CREATED: list["PlatformRendezvousHandler"] = []
+KEY_ROOT = "/platform/rendezvous"
+# How often a waiting agent reads the state, and how often a running one checks for changes.
+POLL_S = 0.1
+CHECK_S = 0.2
+# A live member of the previous round that has not re-joined after its workers' stop budget and
+# this margin (they are stuck stopping) no longer holds up the round; the last call decides.
+REJOIN_MARGIN_S = 10.0
 
 
 class Outage:
-    """When etcd stopped answering, and since when it has answered promptly again."""
+    """When etcd stopped answering; a call fails for good only after ``tolerance_s`` of it."""
 
-    def __init__(self, tolerance_s: float, slow_s: float) -> None:
+    def __init__(self, tolerance_s: float) -> None:
         self.tolerance_s = tolerance_s
-        self.slow_s = slow_s
         self.since: float | None = None
-        # Wall-clock time from which every request has been answered within slow_s.
-        self.healthy_since = datetime.now(timezone.utc)
         self._lock = threading.Lock()
 
-    def failed(self) -> None:
+    def failed(self, error: Exception) -> None:
         with self._lock:
-            self.healthy_since = datetime.now(timezone.utc)
             if self.since is None:
                 self.since = time.monotonic()
-                log.warning("etcd is unreachable; the job keeps training and waits up to %.0f s for it",
-                            self.tolerance_s)
+                log.warning("etcd is unreachable (%s); waiting up to %.0f s for it, training goes on",
+                            str(error).splitlines()[0][:200], self.tolerance_s)
 
-    def answered(self, seconds: float) -> None:
+    def answered(self) -> None:
         with self._lock:
-            if seconds > self.slow_s:
-                self.healthy_since = datetime.now(timezone.utc)
             if self.since is not None:
                 log.warning("etcd answers again after %.1f s", time.monotonic() - self.since)
                 self.since = None
@@ -92,169 +101,457 @@ class Outage:
         return self.since is not None and time.monotonic() - self.since > self.tolerance_s
 
 
-class _ToleratingStateHolder(_BackendRendezvousStateHolder):
-    """The backend state, without declaring nodes dead for heartbeats etcd could not take.
+@dataclass
+class RoundState:
+    """The ``state`` key: the current round. ``joining`` and ``members`` hold [node id, address, port]."""
 
-    torch declares a node dead when its last heartbeat is older than the expiry. Here the
-    clock starts no earlier than the moment etcd last became promptly available to this node:
-    a node is dead only if etcd was there for a whole expiry and it did not heartbeat.
-    """
+    id: str
+    status: str  # "forming" or "running"
+    joining: list[list[Any]] = field(default_factory=list)
+    members: list[list[Any]] = field(default_factory=list)
+    previous: list[str] = field(default_factory=list)  # member ids of the round before, for shrinks
+    previous_id: str | None = None
+    # Why it started: "first", "growth" (waiting nodes admitted), "lost" (a member is gone) or
+    # "restart" (a member's workers failed). Only after "growth" can the old world checkpoint together.
+    reason: str = "first"
 
-    def __init__(self, backend, settings: RendezvousSettings, outage: Outage) -> None:
-        super().__init__(backend, settings)
-        self._outage = outage
-        self._sync_started = time.monotonic()
+    @property
+    def member_ids(self) -> list[str]:
+        return [m[0] for m in self.members]
 
-    def sync(self):
-        self._sync_started = time.monotonic()
-        try:
-            result = super().sync()
-        except RendezvousConnectionError as exc:
-            if isinstance(exc.__cause__, etcd.EtcdKeyNotFound):
-                # A write against a state etcd no longer has (it restarted empty): torch's backend
-                # reports it as a connection error on every heartbeat. Start from no state instead.
-                log.warning("etcd lost the rendezvous state; starting from an empty one")
-                self._token, self._dirty, self._last_sync_time = None, False, -1
-                return super().sync()
-            self._outage.failed()
-            raise
-        self._outage.answered(time.monotonic() - self._sync_started)
-        return result
+    @property
+    def joining_ids(self) -> list[str]:
+        return [m[0] for m in self.joining]
 
-    def _sanitize(self) -> None:
-        # A heartbeat older than the start of etcd's current availability counts from that start
-        # (the bump may be written back with the state; a dead node is still found one expiry later).
-        # A request that is itself slow (etcd restarting) starts that availability now.
-        floor = self._outage.healthy_since
-        if time.monotonic() - self._sync_started > self._outage.slow_s:
-            floor = datetime.now(timezone.utc)
-        heartbeats = self._state.last_heartbeats
-        for node, last in list(heartbeats.items()):
-            if last < floor:
-                heartbeats[node] = floor
-        super()._sanitize()
+    def encode(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "RoundState":
+        return cls(**json.loads(raw))
+
+
+@dataclass
+class Snapshot:
+    state: RoundState | None
+    revision: int  # the state key's mod revision (0: absent)
+    closed: bool
+    live: dict[str, dict[str, Any]]  # node id -> its record, for every node whose lease is alive
 
 
 def tuning_from_params(params: RendezvousParameters) -> RendezvousTuning:
     """The ``--rdzv-conf`` keys of :class:`RendezvousTuning`, fractions of a second allowed."""
     defaults = RendezvousTuning()
     values = {}
-    for field in fields(RendezvousTuning):
-        raw = params.get(field.name)
+    for item in fields(RendezvousTuning):
+        raw = params.get(item.name)
         if raw is not None:
-            values[field.name] = type(getattr(defaults, field.name))(float(raw))
+            values[item.name] = type(getattr(defaults, item.name))(float(raw))
     return replace(defaults, **values)
 
 
-class PlatformRendezvousHandler(DynamicRendezvousHandler):
+def free_port(host: str) -> int:
+    """A port free on this node now, for rank 0's worker store (torch picks its own the same way)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, 0))
+        except OSError:
+            s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class EtcdRendezvousHandler(RendezvousHandler):
     """See the module docstring."""
 
+    def __init__(self, run_id: str, min_nodes: int, max_nodes: int, client: EtcdClient, tuning: RendezvousTuning,
+                 local_addr: str | None = None, warm_up: Callable[[], None] | None = None):
+        if not 1 <= min_nodes <= max_nodes:
+            raise ValueError(f"--nnodes: got {min_nodes}:{max_nodes}; allowed: 1 <= min <= max")
+        self._run_id = run_id
+        self._min, self._max = min_nodes, max_nodes
+        self._client = client
+        self._tuning = tuning
+        self._addr = local_addr or socket.getfqdn()
+        self._node = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._prefix = f"{KEY_ROOT}/{run_id}/"
+        self._outage = Outage(tuning.outage_tolerance)
+        self._warm_up = warm_up
+        # How long a survivor's workers may take to checkpoint and stop before it re-joins.
+        self._rejoin_grace_s = float(os.environ.get(STOP_BUDGET_ENV, "30")) + REJOIN_MARGIN_S
+        self._lease = 0
+        self._lease_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._round: RoundState | None = None  # the round this agent's workers run in
+        self._round_started = 0.0  # wall clock, when next_rendezvous returned it
+        self._training_since: float | None = None
+        self._checked = 0.0
+        self._waiting = 0
+        # Whether the workers can still stop together with a checkpoint (see stop_gracefully).
+        self._graceful = True
+
     @classmethod
-    def create(cls, params: RendezvousParameters) -> "PlatformRendezvousHandler":
-        from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
-
+    def create(cls, params: RendezvousParameters, warm_up: Callable[[], None] | None = None
+               ) -> "EtcdRendezvousHandler":
+        """torch's handler registry calls this with the launcher's --rdzv-* flags. Talks to no etcd."""
         tuning = tuning_from_params(params)
-        backend, store = create_backend(params)
-        settings = RendezvousSettings(
-            params.run_id, params.min_nodes, params.max_nodes,
-            RendezvousTimeout(join=timedelta(seconds=tuning.join_timeout),
-                              last_call=timedelta(seconds=tuning.last_call_timeout),
-                              close=timedelta(seconds=CLOSE_TIMEOUT_S),
-                              heartbeat=timedelta(seconds=tuning.read_timeout)),
-            keep_alive_interval=timedelta(seconds=tuning.keep_alive_interval),
-            keep_alive_max_attempt=tuning.keep_alive_max_attempt,
-        )
-        # A request slower than one heartbeat interval (etcd restarting, a leader change) may
-        # have delayed everyone's heartbeats: it restarts the clock like a failed one.
-        outage = Outage(tuning.outage_tolerance, slow_s=tuning.keep_alive_interval)
-        handler = cls(cls._node_desc_generator.generate(params.local_addr), settings, BACKEND_NAME, store,
-                      _ToleratingStateHolder(backend, settings, outage))
-        handler._outage = outage
-        handler._joined_round = None
-        handler._joined_members = set()
-        handler._close_on_shutdown = False
-        CREATED.append(handler)
-        return handler
+        client = EtcdClient(params.endpoint, timeout_s=tuning.read_timeout)
+        return cls(params.run_id, params.min_nodes, params.max_nodes, client, tuning, params.local_addr, warm_up)
 
-    def next_rendezvous(self):
-        delay = 0.2
-        while True:
-            try:
-                info = super().next_rendezvous()
-            except RendezvousConnectionError:
-                if self._outage.exceeded:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                continue
-            self._joined_round = self._state_holder.state.round
-            self._joined_members = set(self._state_holder.state.participants)
-            return info
+    # --- the RendezvousHandler interface ------------------------------------------------------
 
-    def num_nodes_waiting(self) -> int:
-        try:
-            waiting = super().num_nodes_waiting()
-        except RendezvousConnectionError:
-            if self._outage.exceeded:
-                raise
-            return 0
-        if self._joined_round is not None and not self._still_in_my_round():
-            log.warning("this node is no longer in round %s of the rendezvous (etcd lost its state, or a peer "
-                        "declared it dead); re-joining", self._joined_round)
-            self._joined_round = None
-            return 1
-        gone = self._joined_members - set(self._state_holder.state.participants) if self._joined_round is not None \
-            else set()
-        if gone:
-            log.warning("%d node(s) of round %s stopped heartbeating; restarting this node's workers into a new "
-                        "round", len(gone), self._joined_round)
-            self._joined_round = None
-            return 1
-        return waiting
+    def get_backend(self) -> str:
+        return BACKEND_NAME
 
-    def _still_in_my_round(self) -> bool:
-        state = self._state_holder.state
-        return state.round == self._joined_round and self._this_node in state.participants
+    def get_run_id(self) -> str:
+        return self._run_id
 
-    def _keep_alive(self) -> None:
-        # torch's keep-alive logs a warning on every failed heartbeat; during an outage that is
-        # several lines a second, and the outage itself is logged once.
-        with self._heartbeat_lock:
-            try:
-                self._op_executor.run(_RendezvousKeepAliveOp(), self._get_deadline(self._settings.timeout.heartbeat))
-            except RendezvousConnectionError:
-                pass
+    @property
+    def use_agent_store(self) -> bool:
+        return False  # rank 0's worker hosts the workers' store; the agents' lives in etcd
 
-    def shutdown(self) -> bool:
-        self._stop_heartbeats()
-        if self._close_on_shutdown:
-            return super().shutdown()
-        return True
+    def is_closed(self) -> bool:
+        return self._patiently(lambda: self._client.get(self._key("closed")) is not None)
+
+    def set_closed(self) -> None:
+        self._patiently(lambda: self._client.put(self._key("closed"), "1"))
 
     def close_round(self) -> None:
-        """Close the round for good: the job finished. Later agents of this run id exit at once."""
-        self._close_on_shutdown = True
+        """Close the rendezvous for good: the job finished. Later agents of this run id exit at once."""
         self.set_closed()
 
+    def shutdown(self) -> bool:
+        """Leave: stop heartbeating and revoke the lease, so peers see this node gone at once."""
+        self._stopping.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=2 * self._tuning.keep_alive_interval + self._tuning.read_timeout)
+        if self._lease:
+            try:
+                self._client.lease_revoke(self._lease)
+            except (EtcdUnavailable, OSError):
+                pass  # the lease expires by itself
+            self._lease = 0
+        return True
 
-# While a rendezvous waits for others (the last call, a dead node's expiry), torch polls the
-# state once a second (dynamic_rendezvous.py, _DistributedRendezvousOpExecutor.run, SYNC), which
-# adds up to a second to every recovery; the platform polls ten times a second.
-SYNC_POLL_S = 0.1
-_torch_delay = dynamic_rendezvous._delay
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round and wait until it completes; this node's rank, the world size, the stores."""
+        started = time.monotonic()
+        self._register()
+        left = self._round
+        self._round = None
+        seen_joining: list[str] | None = None
+        changed_at = time.monotonic()
+        log.info("node %s joins the rendezvous of %s", self._node, self._run_id)
+        while True:
+            if time.monotonic() - started > self._tuning.join_timeout:
+                raise RendezvousTimeoutError(
+                    f"the rendezvous of {self._run_id} did not complete within {self._tuning.join_timeout} s "
+                    f"(at least {self._min} node(s) needed)")
+            snap = self._snapshot()
+            if snap is None:
+                time.sleep(POLL_S)
+                continue
+            if snap.closed:
+                raise RendezvousClosedError(f"the rendezvous of {self._run_id} is closed: the job finished")
+            state = snap.state
+            if state is None or (state.status == "running" and left is not None and state.id == left.id):
+                self._new_round(snap, previous=state)  # the first round, or this node leaves a running one
+                continue
+            if state.status == "running":
+                if self._node in state.member_ids:
+                    return self._joined(state)
+                dead = [m for m in state.member_ids if m not in snap.live]
+                if dead or not state.members:
+                    self._new_round(snap, previous=state)  # the running round lost a member: start over
+                    continue
+                # The job runs without this node: it waits to be admitted (see num_nodes_waiting), as a
+                # standby for as long as it takes; the join timeout is for a job that cannot start.
+                started = time.monotonic()
+                time.sleep(POLL_S)
+                continue
+            # A round is forming.
+            if self._node not in state.joining_ids:
+                if len(state.joining) < self._max:
+                    self._update(snap, joining=[*state.joining, [self._node, self._addr, free_port(self._addr)]])
+                else:
+                    time.sleep(POLL_S)
+                continue
+            gone = [j for j in state.joining if j[0] not in snap.live]
+            if gone:
+                self._update(snap, joining=[j for j in state.joining if j[0] in snap.live])
+                continue
+            if state.joining_ids != seen_joining:
+                seen_joining, changed_at = state.joining_ids, time.monotonic()
+            if self._complete(state, snap, changed_at):
+                self._finish_round(snap)
+                continue
+            time.sleep(POLL_S)
+
+    def num_nodes_waiting(self) -> int:
+        """Called by the agent between health checks: > 0 restarts this node's workers into a new round."""
+        now = time.monotonic()
+        if now - self._checked < CHECK_S:
+            return self._waiting
+        self._checked = now
+        snap = self._snapshot(wait=False)
+        if snap is None or snap.closed or self._round is None:
+            self._waiting = 0
+            return 0
+        state = snap.state
+        if state is None or state.id != self._round.id:
+            log.warning("a new round of the rendezvous has started (%s); re-joining",
+                        state.reason if state is not None else "etcd lost the state")
+            self._waiting, self._graceful = 1, state is None or state.reason == "growth"
+        elif gone := [m for m in state.member_ids if m not in snap.live]:
+            log.warning("%d node(s) of this round are gone (%s); re-forming the round without them", len(gone),
+                        ", ".join(gone))
+            self._waiting, self._graceful = 1, False
+        else:
+            waiting = [n for n, record in snap.live.items() if n not in state.member_ids and record.get("ready")]
+            room = self._max - len(state.members)
+            self._waiting = min(len(waiting), room) if waiting and room > 0 and self._admission_due() else 0
+            self._graceful = True
+            if self._waiting:
+                log.info("admitting %d waiting node(s) after %.0f s of training in this round", self._waiting,
+                         time.time() - (self._training_since or self._round_started))
+        return self._waiting
+
+    @property
+    def stop_gracefully(self) -> bool:
+        """Whether this node's workers should be given their stop budget to checkpoint before a restart.
+
+        Only when every member of the round is alive and healthy (waiting nodes are admitted, or
+        etcd lost the state): then they all stop at one step and checkpoint together. After a
+        member died or its workers failed, a checkpoint needs that member's collectives and can
+        never finish; the workers are stopped at once and the job resumes from the last one.
+        """
+        return self._graceful
+
+    # --- rounds -----------------------------------------------------------------------------
+
+    def _complete(self, state: RoundState, snap: Snapshot, changed_at: float) -> bool:
+        """Whether the forming round may start now (any of its joined nodes may decide it)."""
+        joined = set(state.joining_ids)
+        if len(joined) < self._min:
+            return False
+        if len(joined) >= self._max:
+            return True
+        previous_alive = {n for n in state.previous if n in snap.live}
+        waited = time.monotonic() - changed_at
+        if not previous_alive <= joined and waited < self._rejoin_grace_s:
+            return False  # a survivor of the last round is on its way: its workers are stopping
+        if state.reason in ("lost", "restart") and joined <= set(state.previous):
+            return True  # a shrink: nobody new to wait for, no last call
+        return waited >= self._tuning.last_call_timeout  # growing: gather who arrives together
+
+    def _new_round(self, snap: Snapshot, previous: RoundState | None) -> None:
+        if previous is None:
+            reason = "first"
+        elif any(m not in snap.live for m in previous.member_ids):
+            reason = "lost"
+        else:
+            reason = "growth" if self._waiting and self._graceful else "restart"
+        state = RoundState(id=uuid.uuid4().hex[:12], status="forming", reason=reason,
+                           joining=[[self._node, self._addr, free_port(self._addr)]],
+                           previous=[m for m in (previous.member_ids if previous else []) if m in snap.live],
+                           previous_id=previous.id if previous else None)
+        if self._write(snap, state):
+            log.info("node %s started round %s of the rendezvous (%s)", self._node, state.id, reason)
+
+    def _update(self, snap: Snapshot, joining: list[list[Any]]) -> None:
+        self._write(snap, replace(snap.state, joining=joining))
+
+    def _finish_round(self, snap: Snapshot) -> None:
+        state = snap.state
+        # Survivors keep their order (rank 0 stays where the state is warm); newcomers follow.
+        order = {n: i for i, n in enumerate(state.previous)}
+        members = sorted(state.joining, key=lambda j: (order.get(j[0], len(order)), state.joining.index(j)))
+        done = replace(state, status="running", members=members[:self._max], joining=[])
+        cleanup = [op_delete(self._key(f"store/{state.previous_id}/"), prefix=True)] if state.previous_id else []
+        if self._write(snap, done, cleanup):
+            log.info("round %s of the rendezvous starts with %d node(s)", done.id, len(done.members))
+
+    def _joined(self, state: RoundState) -> RendezvousInfo:
+        self._round = state
+        self._round_started = time.time()
+        self._training_since = None
+        self._waiting = 0
+        rank = state.member_ids.index(self._node)
+        _, master_addr, master_port = state.members[0]
+        log.info("node %s is rank %d of %d in round %s", self._node, rank, len(state.members), state.id)
+        store = EtcdStore(self._client, self._key(f"store/{state.id}/"), self._outage,
+                          timeout=timedelta(seconds=self._tuning.join_timeout))
+        return RendezvousInfo(store, rank, len(state.members), RendezvousStoreInfo(master_addr, int(master_port)))
+
+    def _admission_due(self) -> bool:
+        """Has this round trained ``scale_up_after_s`` since it started? A program that reports its
+        progress (the packaged trainer, through the file the launcher names) has started training
+        at its first report of this round; another at the round's start."""
+        if self._training_since is None:
+            path = os.environ.get(PROGRESS_FILE_ENV)
+            if not path:
+                self._training_since = self._round_started
+            else:
+                try:
+                    reported = os.stat(path).st_mtime
+                except OSError:
+                    return False
+                if reported < self._round_started:
+                    return False
+                self._training_since = reported
+        return time.time() - self._training_since >= self._tuning.scale_up_after_s
+
+    # --- etcd -------------------------------------------------------------------------------
+
+    def _key(self, name: str) -> str:
+        return self._prefix + name
+
+    def _snapshot(self, wait: bool = True) -> Snapshot | None:
+        """The state, the closed flag and the live nodes, read together; None while etcd is away."""
+        try:
+            _, (state, closed, nodes) = self._client.txn([], [
+                op_range(self._key("state")), op_range(self._key("closed")), op_range(self._key("node/"), prefix=True)])
+        except EtcdUnavailable as exc:
+            self._outage.failed(exc)
+            if self._outage.exceeded:
+                raise RendezvousConnectionError(f"etcd has been unreachable for over "
+                                                f"{self._outage.tolerance_s:.0f} s: {exc}") from exc
+            if wait:
+                time.sleep(min(1.0, 5 * POLL_S))
+            return None
+        self._outage.answered()
+        return Snapshot(RoundState.decode(state[0].value) if state else None, state[0].mod_revision if state else 0,
+                        bool(closed), {kv.key.rsplit("/", 1)[1]: json.loads(kv.value) for kv in nodes})
+
+    def _write(self, snap: Snapshot, state: RoundState, also: list[dict] = ()) -> bool:
+        """Replace the state read in ``snap`` with ``state``, unless someone changed it meanwhile."""
+        try:
+            written, _ = self._client.txn([unchanged_since(self._key("state"), snap.revision)],
+                                          [op_put(self._key("state"), state.encode()), *also])
+        except EtcdUnavailable as exc:
+            self._outage.failed(exc)
+            return False
+        return written
+
+    def _patiently(self, call: Callable[[], Any]) -> Any:
+        """``call()``, retried while etcd is away, up to the outage tolerance."""
+        delay = 0.1
+        while True:
+            try:
+                result = call()
+                self._outage.answered()
+                return result
+            except EtcdUnavailable as exc:
+                self._outage.failed(exc)
+                if self._outage.exceeded:
+                    raise RendezvousConnectionError(f"etcd has been unreachable for over "
+                                                    f"{self._outage.tolerance_s:.0f} s: {exc}") from exc
+                time.sleep(delay)
+                delay = min(2 * delay, 2.0)
+
+    def _register(self) -> None:
+        """Hold a lease and this node's key (once ready), and keep the lease alive from a thread."""
+        if self._heartbeat is None:
+            if self._warm_up is not None:
+                self._warm_up()
+            self._patiently(self._grant)
+            self._heartbeat = threading.Thread(target=self._keep_alive, name="rendezvous-lease", daemon=True)
+            self._heartbeat.start()
+
+    def _grant(self) -> None:
+        with self._lease_lock:
+            lease, granted = self._client.lease_grant(max(1, round(self._tuning.lease_ttl)))
+            record = json.dumps({"addr": self._addr, "ready": True, "since": time.time()})
+            self._client.put(self._key(f"node/{self._node}"), record, lease=lease)
+            if self._lease and granted != self._lease:
+                log.warning("this node's etcd lease was lost (etcd restarted without its data, or a partition "
+                            "outlasted it); holding a new one")
+            self._lease = lease
+            if granted > self._tuning.lease_ttl:
+                log.info("etcd granted a %d s lease (its minimum) for the %g s asked", granted, self._tuning.lease_ttl)
+
+    def _keep_alive(self) -> None:
+        while not self._stopping.wait(self._tuning.keep_alive_interval):
+            try:
+                if self._client.lease_keepalive(self._lease) == 0:
+                    self._grant()  # the lease is gone: this node's key with it; peers re-form without it
+                self._outage.answered()
+            except EtcdUnavailable as exc:
+                self._outage.failed(exc)
 
 
-def _platform_delay(seconds) -> None:
-    if isinstance(seconds, tuple):  # the random skew before a first round
-        _torch_delay(seconds)
-    else:
-        _torch_delay(min(seconds, SYNC_POLL_S))
+class EtcdStore(Store):
+    """torch's ``Store`` over etcd v3 keys under one prefix (the agents' store of one round).
+
+    torch's agent uses it to assign worker ranks and for the exit barrier
+    (agent/server/api.py ``_assign_worker_ranks``, ``_exit_barrier``); blocking reads poll.
+    """
+
+    def __init__(self, client: EtcdClient, prefix: str, outage: Outage, timeout: timedelta):
+        super().__init__()  # the pybind trampoline needs it
+        self._client = client
+        self._prefix = prefix
+        self._outage = outage
+        self.set_timeout(timeout)
+
+    def _retry(self, call: Callable[[], Any]) -> Any:
+        while True:
+            try:
+                return call()
+            except EtcdUnavailable as exc:
+                self._outage.failed(exc)
+                if self._outage.exceeded:
+                    raise
+                time.sleep(0.2)
+
+    @staticmethod
+    def _bytes(value: str | bytes) -> bytes:
+        return value.encode() if isinstance(value, str) else bytes(value)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._retry(lambda: self._client.put(self._prefix + key, self._bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        return self._wait_for([key])[key]
+
+    def add(self, key: str, num: int) -> int:
+        full = self._prefix + key
+        while True:
+            current: KeyValue | None = self._retry(lambda: self._client.get(full))
+            value = (int(current.value) if current else 0) + num
+            written, _ = self._retry(lambda: self._client.txn(
+                [unchanged_since(full, current.mod_revision if current else 0)], [op_put(full, str(value))]))
+            if written:
+                return value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._retry(lambda k=k: self._client.get(self._prefix + k)) is not None for k in keys)
+
+    def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
+        self._wait_for(keys, override_timeout)
+
+    def _wait_for(self, keys: list[str], override_timeout: timedelta | None = None) -> dict[str, bytes]:
+        deadline = time.monotonic() + (override_timeout or self.timeout).total_seconds()
+        found: dict[str, bytes] = {}
+        delay = 0.01
+        while True:
+            for key in keys:
+                if key not in found:
+                    kv = self._retry(lambda k=key: self._client.get(self._prefix + k))
+                    if kv is not None:
+                        found[key] = kv.value
+            if len(found) == len(keys):
+                return found
+            if time.monotonic() > deadline:
+                raise LookupError(f"timed out waiting for {sorted(set(keys) - set(found))} in the rendezvous store")
+            time.sleep(delay)
+            delay = min(2 * delay, POLL_S)
 
 
-def register() -> None:
-    """Make ``--rdzv-backend platform-etcd`` available to torch's agent in this process."""
-    dynamic_rendezvous._delay = _platform_delay
-    try:
-        handler_registry.register(BACKEND_NAME, PlatformRendezvousHandler.create)
-    except ValueError:
-        pass  # registered already
+def register(warm_up: Callable[[], None] | None = None) -> None:
+    """Make ``--rdzv-backend platform-etcd`` available to torch's agent in this process.
+
+    ``warm_up`` runs once in the agent before its node registers (it then counts as ready to join).
+    """
+    handler_registry._registry.pop(BACKEND_NAME, None)  # a second call replaces the first
+    handler_registry.register(BACKEND_NAME, lambda params: EtcdRendezvousHandler.create(params, warm_up))

@@ -33,7 +33,7 @@ from training.config import TrainConfig
 from training.data import DataError, attention_mask, build_dataset, build_loader
 from training.decode import build_decoder
 from training.device import DeviceFeed, Runtime, detect
-from training.launch import EXIT_MEMBERSHIP_CHANGE, STOP_BUDGET_ENV
+from training.launch import EXIT_MEMBERSHIP_CHANGE, PROGRESS_FILE_ENV, STOP_BUDGET_ENV
 from training.metrics import MetricsWriter, stdout_is_for_people, training_flops_per_sample
 from training.models import IMAGE_MODELS, build_model
 from training.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
@@ -115,6 +115,8 @@ class Trainer:
         self.distributed = dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
+        # The agent counts this round's training time from our first report (training/rendezvous.py).
+        self._progress_file = os.environ.get(PROGRESS_FILE_ENV) if self.membership.local_rank == 0 else None
         self.metrics = MetricsWriter(self.rank == 0, config.metrics.jsonl_path, config.metrics.tensorboard_dir,
                                      progress=stdout_is_for_people(config.metrics.stdout))
 
@@ -344,6 +346,8 @@ class Trainer:
                     while self.progress.offset < self.plan.dataset_size and not self._reached(total_steps):
                         loss, data_wait, step_time = self._step(feed)
                         window.add(loss, data_wait)
+                        if self.progress.step == first_step + 1:
+                            self._report_progress()
                         if (self.distributed and self.first_start
                                 and self.progress.step - self.first_step == cfg.distributed.warmup_steps):
                             elastic.shorten_timeout(cfg.distributed.timeout_s)
@@ -579,7 +583,13 @@ class Trainer:
             mfu=round(mfu, 6) if mfu is not None else None, bad_samples=self.progress.bad_samples,
         )
         window.reset()
+        self._report_progress()
         return mean_loss
+
+    def _report_progress(self) -> None:
+        """Tell this node's agent that the round is training (the file's time is what it reads)."""
+        if self._progress_file:
+            Path(self._progress_file).write_text(str(self.progress.step))
 
     def _count_flops(self) -> float | None:
         """Forward+backward FLOPs of one sample, counted once per run on a copy of the model on the
@@ -805,11 +815,12 @@ def train(config: TrainConfig) -> TrainResult:
     try:
         result = trainer.run()
     except BaseException:
+        # The process ends: a group whose peer is gone is not torn down (gloo's teardown then
+        # waits on the dead peer for seconds, and the agent on it before it can re-form).
         trainer.finish_writing()
         raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if result.stopped_by_signal and not trainer.stop.requested:
         raise SystemExit(EXIT_MEMBERSHIP_CHANGE)
     return result

@@ -1,0 +1,56 @@
+"""Real agents (the pod's command, CPU, gloo) joining and leaving one job: the suite's small version
+of benchmarks/elastic_scale.py. Behaviour only; the figures are the benchmark's (README).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from training.drills import events, scale_drill, trainer_args
+from training.launch import PLATFORM_TUNING
+from training.local_cluster import Agent, LocalEtcd, wait_until
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_four_agents_arriving_at_once_reach_full_size_train_steadily_and_survive_a_kill(tmp_path):
+    result = scale_drill(tmp_path, 4, steady_s=15)
+    assert result.full_world_s is not None
+    # Started together, they join one round; on a loaded machine one may come after the last call
+    # and is then admitted once: never a restart per arrival.
+    assert result.restarts <= 1
+    assert result.steady_rounds == 0  # nothing re-rendezvoused while all four trained
+    assert result.writes_per_s == 0  # heartbeats are lease renewals, not writes
+    assert result.kill_to_step_s is not None  # the three survivors trained again
+
+
+def test_agents_arriving_one_by_one_are_admitted_in_batches(tmp_path):
+    # Four arrivals 4 s apart with admission after 6 s of training: one restart per arrival would
+    # be three; batching admits them in at most two.
+    result = scale_drill(tmp_path, 4, spread_s=12, steady_s=5, kill=False,
+                         tuning=replace(PLATFORM_TUNING, scale_up_after_s=6))
+    assert result.full_world_s is not None
+    assert result.restarts <= 2
+    sizes = [e["world_size"] for e in events(tmp_path, "rendezvous")]
+    assert sizes == sorted(sizes) and sizes[-1] == 4  # the world only grew
+
+
+def test_an_agent_started_while_etcd_is_down_waits_and_a_second_joins_it(tmp_path):
+    etcd = LocalEtcd()
+    args = trainer_args(tmp_path, 400_000)
+    agents = [Agent("a", etcd.endpoint, "etcd-late", tmp_path, args, max_nodes=2)]
+    try:
+        time.sleep(15)  # etcd is away for its first 15 s
+        assert agents[0].proc.poll() is None, agents[0].output()[-3000:]
+        etcd.start()
+        agents.append(Agent("b", etcd.endpoint, "etcd-late", tmp_path, args, max_nodes=2))
+        wait_until(lambda: [e for e in events(tmp_path, "step") if e["world_size"] == 2], "both training",
+                   240, agents)
+        assert "etcd is unreachable" in agents[0].output()
+    finally:
+        for agent in agents:
+            agent.stop()
+        etcd.__exit__()
