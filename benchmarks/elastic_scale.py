@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from training.drills import scale_drill  # noqa: E402 - after the path insert: run as a script
-from training.launch import PLATFORM_TUNING  # noqa: E402
+from training.launch import PLATFORM_TUNING, REGROUP_IN_PLACE_ENV  # noqa: E402
 
 
 def main() -> None:
@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--spread", type=float, default=60.0, help="seconds over which the spread wave arrives")
     parser.add_argument("--steady", type=float, default=60.0, help="seconds of steady training measured")
     parser.add_argument("--waves", default="once,spread", help="once, spread or both")
+    parser.add_argument("--restart-on-growth", action="store_true",
+                        help="also run the spread wave with PLATFORM_REGROUP_IN_PLACE=0 (torchrun's restart), to compare")
     args = parser.parse_args()
     print(f"tuning: {PLATFORM_TUNING.conf()}", flush=True)
     rows = []
@@ -45,12 +47,19 @@ def main() -> None:
                                  steady_s=args.steady)
             rows.append(result)
             print(json.dumps(dataclasses.asdict(result)), flush=True)
-    print(f"\n{'agents':>6} {'arrivals':>9} {'full world':>11} {'after last':>11} {'restarts':>9} "
-          f"{'steady':>7} {'rounds':>7} {'writes/s':>9} {'reads/s':>8} {'etcd CPU':>9} {'kill->step':>11}")
+            if wave == "spread" and args.restart_on_growth:
+                result = scale_drill(Path(tempfile.mkdtemp(prefix=f"scale-{size}-")), size, spread_s=spread,
+                                     steady_s=args.steady, env={REGROUP_IN_PLACE_ENV: "0"})
+                result.spread_s = -spread  # marks the restart row in the table
+                rows.append(result)
+                print(json.dumps(dataclasses.asdict(result)), flush=True)
+    print(f"\n{'agents':>6} {'arrivals':>16} {'full world':>11} {'after last':>11} {'restarts':>9} "
+          f"{'pauses':>14} {'steady':>7} {'rounds':>7} {'writes/s':>9} {'reads/s':>8} {'etcd CPU':>9} {'kill->step':>11}")
     for r in rows:
-        arrivals = f"{r.spread_s:.0f} s" if r.spread_s else "at once"
-        print(f"{r.agents:>6} {arrivals:>9} {r.full_world_s:>10}s {r.after_last_arrival_s:>10}s {r.restarts:>9} "
-              f"{r.steady_s:>6.0f}s {r.steady_rounds:>7} {r.writes_per_s:>9} {r.reads_per_s:>8} "
+        arrivals = "at once" if not r.spread_s else f"{abs(r.spread_s):.0f} s" + (", restart" if r.spread_s < 0 else "")
+        pauses = "/".join(f"{p:g}" for p in r.growth_pauses_s) or "-"
+        print(f"{r.agents:>6} {arrivals:>16} {r.full_world_s:>10}s {r.after_last_arrival_s:>10}s {r.restarts:>9} "
+              f"{pauses:>14} {r.steady_s:>6.0f}s {r.steady_rounds:>7} {r.writes_per_s:>9} {r.reads_per_s:>8} "
               f"{r.etcd_cpu_pct:>8}% {r.kill_to_step_s:>10}s")
 
 

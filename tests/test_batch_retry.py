@@ -9,6 +9,7 @@ The only change to the command is the shared file system's mount: /fsx is a temp
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -101,7 +102,12 @@ def uninterrupted(tmp_path_factory):
     fsx = tmp_path_factory.mktemp("fsx-solo")
     nodes = attempt(fsx, 1)
     try:
-        assert [node.wait(timeout=240) for node in nodes] == [0, 0], nodes[0].output()[-3000:]
+        try:
+            codes = [node.wait(timeout=240) for node in nodes]
+        except subprocess.TimeoutExpired:
+            pytest.fail("the uninterrupted run did not finish in 240 s\n" + "\n".join(
+                f"--- {node.name}\n{node.output()[-3000:]}" for node in nodes))
+        assert codes == [0, 0], nodes[0].output()[-3000:]
     finally:
         for node in nodes:
             node.stop()

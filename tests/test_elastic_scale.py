@@ -54,3 +54,29 @@ def test_an_agent_started_while_etcd_is_down_waits_and_a_second_joins_it(tmp_pat
         for agent in agents:
             agent.stop()
         etcd.__exit__()
+
+
+def test_a_scale_up_keeps_the_survivors_workers_and_loses_no_step(tmp_path, etcd_module):
+    """Beyond torchrun: the running members' workers stay up through an admission. They checkpoint
+    at one step, leave their process group, and join the bigger round in place; only the
+    newcomer starts a worker."""
+    args = trainer_args(tmp_path, 400_000)
+    agents = [Agent(name, etcd_module, "in-place", tmp_path, args, max_nodes=3) for name in "ab"]
+    try:
+        wait_until(lambda: len([e for e in events(tmp_path, "step") if e["world_size"] == 2]) >= 20,
+                   "two nodes training", 120, agents)
+        workers = {agent.name: agent.worker_pids() for agent in agents}
+        joined_at = time.time()
+        agents.append(Agent("c", etcd_module, "in-place", tmp_path, args, max_nodes=3))
+        wait_until(lambda: [e for e in events(tmp_path, "step") if e["world_size"] == 3], "three nodes training",
+                   120, agents)
+        assert {agent.name: agent.worker_pids() for agent in agents[:2]} == workers  # the same processes
+        for agent in agents[:2]:
+            assert "joined round 1 in place" in agent.output()
+        stop = [e for e in events(tmp_path, "checkpoint_started") if e["time"] > joined_at and e["reason"] == "regroup"]
+        resume = [e for e in events(tmp_path, "resume") if e["time"] > joined_at]
+        assert stop and resume and resume[0]["step"] == stop[0]["step"]  # nothing trained is lost
+        assert "regroup_s" in resume[0]
+    finally:
+        for agent in agents:
+            agent.stop()

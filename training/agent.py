@@ -12,18 +12,29 @@ would be killed mid-write. So this agent:
 - does not count a failure that followed progress (a newer checkpoint than at the start of
   the round) or a worker that stopped only because a peer did (exit 75). A crash loop that
   never gets past its checkpoint still runs out of restarts;
-- stops workers on a restart with the same budget as on the pod's SIGTERM.
+- stops workers on a restart with the same budget as on the pod's SIGTERM, except after a lost
+  peer: then they cannot checkpoint (that needs the peer's collectives), and are stopped at once
+  once a checkpoint being written is on disk;
+- on an admission (every member alive), keeps the workers and moves them to the new round in
+  place (:meth:`PlatformAgent._regroup`), which torchrun cannot: they pay a process-group start,
+  not a restart.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
+from pathlib import Path
 from typing import Any, Callable
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from training.launch import EXIT_MEMBERSHIP_CHANGE, FINAL_EXITS
+from training.launch import (
+    CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, FINAL_EXITS, REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL, WRITING_MARKER,
+)
 
 log = logging.getLogger("training.launch")
 # Seconds between SIGTERM and SIGKILL for workers that lost a peer: enough to exit if they are not
@@ -38,9 +49,17 @@ class PlatformAgent(LocalElasticAgent):
         self._checkpoint_at_start: int | None = None
         self.free_restarts = 0  # failures that did not count against --max-restarts
         self._workers_failed = False  # a worker of this node failed: its siblings wait on it in collectives
+        # Where the workers and this agent change rounds in place (see _regroup); None: never.
+        control = os.environ.get(CONTROL_DIR_ENV)
+        self._control_dir = Path(control) if control else None
+        self._generation = 0
+        self._in_place = self._control_dir is not None and os.environ.get(REGROUP_IN_PLACE_ENV, "1") != "0"
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._checkpoint_at_start = self._newest_checkpoint()
+        if self._control_dir is not None:  # a marker left by a worker killed mid-write is stale now
+            for marker in self._control_dir.glob(f"{WRITING_MARKER}-*"):
+                marker.unlink(missing_ok=True)
         return super()._start_workers(worker_group)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
@@ -48,7 +67,69 @@ class PlatformAgent(LocalElasticAgent):
         # lost they would wait on its collectives until a timeout, so they stop at once.
         graceful = getattr(worker_group.spec.rdzv_handler, "stop_gracefully", True) and not self._workers_failed
         self._workers_failed = False
+        if not graceful:
+            self._wait_for_writes()
         self._shutdown(timeout=self._shutdown_timeout if graceful else LOST_PEER_STOP_S)
+
+    def _wait_for_writes(self) -> None:
+        """A checkpoint being written when a peer died is finished before the workers are killed:
+        it is the one the job resumes from (its writer thread runs on while the main one is stuck)."""
+        if self._control_dir is None:
+            return
+        deadline = time.monotonic() + self._shutdown_timeout
+        while list(self._control_dir.glob(f"{WRITING_MARKER}-*")) and time.monotonic() < deadline:
+            if self._pcontext is None or self._pcontext.wait(0) is not None:
+                return  # the workers are gone: nothing is being written any more
+            time.sleep(0.05)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """torch stops the workers and starts new ones for every new round. When every member is
+        alive (waiting nodes are admitted), this node's workers instead stay up and join the new
+        round in place; anything else (a lost peer, a failed worker) restarts them as torch does."""
+        graceful = getattr(worker_group.spec.rdzv_handler, "stop_gracefully", False)
+        if self._in_place and graceful and not self._workers_failed and self._regroup(worker_group):
+            return
+        super()._restart_workers(worker_group)
+
+    def _regroup(self, worker_group: WorkerGroup) -> bool:
+        """Ask the workers to checkpoint and leave their group, join the next round, hand them their
+        places. False (and nothing joined) when a worker did not pause within the stop budget."""
+        pids = self._pcontext.pids()
+        generation = self._generation + 1
+        for pid in pids.values():
+            os.kill(pid, REGROUP_SIGNAL)
+        deadline = time.monotonic() + self._shutdown_timeout
+        while not all(self._paused(local_rank, generation) for local_rank in pids):
+            if self._pcontext.wait(0) is not None or time.monotonic() > deadline:
+                log.warning("the workers did not pause for a regroup; restarting them instead")
+                return False
+            time.sleep(0.02)
+        self._rendezvous(worker_group)
+        spec = worker_group.spec
+        for worker in worker_group.workers:
+            worker.id = pids[worker.local_rank]  # the same process (torch's monitor checks the pids)
+            env = {
+                "RANK": str(worker.global_rank), "GROUP_RANK": str(worker_group.group_rank),
+                "ROLE_RANK": str(worker.role_rank), "LOCAL_RANK": str(worker.local_rank),
+                "WORLD_SIZE": str(worker.world_size), "GROUP_WORLD_SIZE": str(worker_group.group_world_size),
+                "ROLE_WORLD_SIZE": str(worker.role_world_size), "MASTER_ADDR": worker_group.master_addr,
+                "MASTER_PORT": str(worker_group.master_port),
+                "TORCHELASTIC_RESTART_COUNT": str(spec.max_restarts - self._remaining_restarts),
+            }
+            target = self._control_dir / f"membership-{worker.local_rank}.json"
+            partial = target.with_name(target.name + ".partial")
+            partial.write_text(json.dumps({"generation": generation, "env": env}))
+            partial.replace(target)
+        self._generation = generation
+        worker_group.state = WorkerState.HEALTHY
+        log.info("the workers joined round %d in place (no restart)", generation)
+        return True
+
+    def _paused(self, local_rank: int, generation: int) -> bool:
+        try:
+            return (self._control_dir / f"paused-{local_rank}").read_text() == str(generation)
+        except OSError:
+            return False
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)

@@ -244,6 +244,8 @@ class ScaleResult:
     reads_per_s: float = 0.0  # etcd range requests a second during the steady window
     etcd_cpu_pct: float = 0.0  # of one core, during the steady window
     kill_to_step_s: float | None = None  # SIGKILL of one node -> first step of the smaller world
+    # Per admission: from the last step of the smaller world to the first of the bigger one.
+    growth_pauses_s: list[float] = field(default_factory=list)
     exit_codes: dict[str, int] = field(default_factory=dict)
 
 
@@ -258,7 +260,8 @@ def etcd_metrics(endpoint: str) -> dict[str, float]:
 
 
 def scale_drill(work: Path, agents: int, spread_s: float = 0.0, steady_s: float = 30.0, kill: bool = True,
-                tuning=None, samples: int = 2_000_000, timeout_s: float = 600) -> ScaleResult:
+                tuning=None, samples: int = 2_000_000, timeout_s: float = 600,
+                env: dict[str, str] | None = None) -> ScaleResult:
     """``agents`` nodes arrive (at once, or evenly over ``spread_s``), train steadily for ``steady_s``,
     then one is SIGKILLed. Every agent runs the pod's command (``python -m training.launch``)."""
     from training.launch import PLATFORM_TUNING
@@ -274,13 +277,20 @@ def scale_drill(work: Path, agents: int, spread_s: float = 0.0, steady_s: float 
                 due = first + (spread_s * index / (agents - 1) if agents > 1 else 0)
                 time.sleep(max(0.0, due - time.time()))
                 running.append(Agent(f"n{index:02d}", endpoint, "scale", work, args, min_nodes=1, max_nodes=agents,
-                                     max_restarts=100, tuning=tuning or PLATFORM_TUNING))
+                                     max_restarts=100, tuning=tuning or PLATFORM_TUNING, env=env))
             last = time.time()
             full = wait_until(lambda: [e for e in events(work, "step") if e["world_size"] == agents],
                               f"a world of {agents}", timeout_s, running, poll=0.2)[0]
             result.full_world_s = round(full["time"] - first, 1)
             result.after_last_arrival_s = round(full["time"] - last, 1)
-            result.restarts = len([e for e in events(work, "rendezvous") if e["time"] <= full["time"]]) - 1
+            rounds = [e for e in events(work, "rendezvous") if e["time"] <= full["time"]]
+            result.restarts = len(rounds) - 1
+            steps = events(work, "step")
+            for round_ in rounds[1:]:
+                before = [e["time"] for e in steps if e["time"] < round_["time"]]
+                after = [e["time"] for e in steps if e["time"] > round_["time"]]
+                if before and after:
+                    result.growth_pauses_s.append(round(after[0] - before[-1], 2))
             before, at = etcd_metrics(endpoint), time.time()
             time.sleep(steady_s)
             after, result.steady_s = etcd_metrics(endpoint), time.time() - at

@@ -9,12 +9,15 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from training.launch import IMDS_ENDPOINT_ENV, SPOT_NOTICE_ENV  # noqa: F401 - the names callers use
+from training.launch import (  # noqa: F401 - IMDS_ENDPOINT_ENV and SPOT_NOTICE_ENV: the names callers use
+    CONTROL_DIR_ENV, IMDS_ENDPOINT_ENV, REGROUP_SIGNAL, SPOT_NOTICE_ENV,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +76,16 @@ class StopRequest:
         self._event = threading.Event()
         self.signal_name: str | None = None
         self.training = False  # set when the training loop starts: from then on, stops checkpoint
+        # The agent's REGROUP_SIGNAL: stop at a step boundary with a checkpoint, then join the next
+        # round in this process (see :func:`await_membership`) instead of exiting.
+        self.regroup = False
 
     def install(self) -> None:
         global _current_request
         for sig in self.STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        if os.environ.get(CONTROL_DIR_ENV):
+            signal.signal(REGROUP_SIGNAL, self._handle_regroup)
         _current_request = self
         if _watcher_pipe is None:  # one watcher per process, for whichever request is current
             _start_watcher()
@@ -94,9 +102,43 @@ class StopRequest:
         self.signal_name = _received_signal = signal.Signals(signum).name
         self._event.set()
 
+    def _handle_regroup(self, _signum, _frame) -> None:
+        self.regroup = True
+
     @property
     def requested(self) -> bool:
         return self._event.is_set()
+
+    def reset(self) -> None:
+        """A new round in this process: nothing requested yet, not training yet."""
+        self.regroup = False
+        self.training = False
+
+
+def await_membership(local_rank: int, generation: int, stop: StopRequest) -> dict[str, str]:
+    """Between rounds, in a worker that regroups: tell the agent this worker has left the old
+    group, then wait for its place in the next round (the environment torchrun would start a
+    worker with). A stop signal meanwhile (the agent gave up regrouping) ends the process."""
+    import json
+
+    directory = Path(os.environ[CONTROL_DIR_ENV])
+    _write_atomically(directory / f"paused-{local_rank}", str(generation))
+    wanted = directory / f"membership-{local_rank}.json"
+    while not stop.requested:
+        try:
+            found = json.loads(wanted.read_text())
+        except (OSError, ValueError):
+            found = None
+        if found and found["generation"] >= generation:
+            return found["env"]
+        time.sleep(0.02)
+    raise SystemExit(128 + signal.Signals[stop.signal_name or "SIGTERM"].value)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def _tell_the_terminal(line: str) -> None:

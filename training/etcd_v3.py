@@ -166,7 +166,11 @@ class EtcdClient:
                 response = connection.getresponse()
                 data = response.read()
                 status = response.status
-            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, TLS, a cut reply
+            except ssl.SSLError as exc:  # a certificate refused either way: waiting does not mend it
+                self._drop(index)
+                raise EtcdRequestError(f"TLS with etcd at {self.endpoints} failed: {exc}; allowed: the CA, "
+                                       f"certificate and key the platform issues ({', '.join(TLS_ENVIRONMENT)})") from exc
+            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, a cut reply
                 self._drop(index)
                 last_error = exc
                 continue

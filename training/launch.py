@@ -54,6 +54,16 @@ AGENT_PID_ENV = "PLATFORM_AGENT_PID"  # the launcher's pid: a worker whose paren
 # A file the packaged trainer touches when it has trained (its first step of a round, then every report):
 # the rendezvous counts a round's training time from there before it admits waiting nodes.
 PROGRESS_FILE_ENV = "PLATFORM_PROGRESS_FILE"
+# A folder of the agent's where it and its workers meet to change rounds in place: the agent sends
+# REGROUP_SIGNAL, each worker checkpoints, leaves its process group and writes paused-<local rank>;
+# the agent joins the next round and writes membership-<local rank>.json (training/agent.py).
+CONTROL_DIR_ENV = "PLATFORM_CONTROL_DIR"
+REGROUP_SIGNAL = 10  # SIGUSR1 on Linux
+# Present in the control folder while a worker writes a checkpoint (writing-<local rank>): an agent
+# stopping workers that lost a peer waits for it to go before the SIGKILL.
+WRITING_MARKER = "writing"
+# "0": on an admission, stop and restart the workers as torchrun does, instead of regrouping in place.
+REGROUP_IN_PLACE_ENV = "PLATFORM_REGROUP_IN_PLACE"
 _PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger("training.launch")
@@ -349,8 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     agent.install(_newest_checkpoint(trainer_config.checkpoint.dir) if trainer_config else lambda: None)
     os.environ.update(LAUNCH_ENVIRONMENT)
     if trainer_config is not None:
-        # The packaged trainer reports its progress; the rendezvous counts training time from it.
-        os.environ[PROGRESS_FILE_ENV] = os.path.join(tempfile.mkdtemp(prefix="platform-agent-"), "progress")
+        # The packaged trainer reports its progress (the rendezvous counts training time from it)
+        # and can change rounds without a restart (training/agent.py, _regroup).
+        agent_dir = tempfile.mkdtemp(prefix="platform-agent-")
+        os.environ[PROGRESS_FILE_ENV] = os.path.join(agent_dir, "progress")
+        os.environ[CONTROL_DIR_ENV] = agent_dir
     rendezvous.register(warm_up=_warm_up_trainer if trainer_config is not None else None)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     _single_node_defaults(args)

@@ -92,7 +92,16 @@ class LocalEtcd:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
-    def start(self, empty: bool = False) -> str:
+    def start(self, empty: bool = False, probe: str | None = None, ca_file: str | None = None,
+              cert: tuple[str, str] | None = None) -> str:
+        """Start etcd and wait until it answers; ``probe``, ``ca_file`` and ``cert`` reach one served over TLS."""
+        import ssl
+
+        context = None
+        if ca_file:
+            context = ssl.create_default_context(cafile=ca_file)
+            if cert:
+                context.load_cert_chain(*cert)
         if empty:
             shutil.rmtree(self.data_dir, ignore_errors=True)
             os.makedirs(self.data_dir)
@@ -101,7 +110,7 @@ class LocalEtcd:
         deadline = time.monotonic() + 20
         while True:
             try:
-                urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1).read()
+                urllib.request.urlopen(f"{probe or 'http://' + self.endpoint}/health", timeout=1, context=context).read()
                 return self.endpoint
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -25,8 +25,9 @@ never reached its full size. This handler implements torch's ``RendezvousHandler
   :data:`training.launch.PROGRESS_FILE_ENV`). A growing round then waits
   ``last_call_timeout`` for more arrivals. Below ``min_nodes`` nothing waits.
 - **Newcomers count only when ready.** An agent registers as waiting after its warm-up
-  (``training.launch`` imports the trainer into the agent before that, so forked workers
-  start warm).
+  (``training.launch`` imports torch._dynamo and the trainer into the agent before that, so
+  forked workers start warm). On an admission the survivors' workers stay up and join the new
+  round in place (``training/agent.py``, ``_regroup``).
 - **etcd outages are waited out** for ``outage_tolerance`` seconds at every call, from the
   agent's first moment: a running job trains on, a joining agent keeps trying. Leases
   survive an etcd restart (etcd renews every lease when a leader takes over); a lost lease
@@ -342,6 +343,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return False  # a survivor of the last round is on its way: its workers are stopping
         if state.reason in ("lost", "restart") and joined <= set(state.previous):
             return True  # a shrink: nobody new to wait for, no last call
+        if state.reason == "growth" and joined >= set(snap.live):
+            return True  # an admission: every node alive has joined, nobody else is on the way
         return waited >= self._tuning.last_call_timeout  # growing: gather who arrives together
 
     def _new_round(self, snap: Snapshot, previous: RoundState | None) -> None:

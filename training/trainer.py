@@ -33,7 +33,7 @@ from training.config import TrainConfig
 from training.data import DataError, attention_mask, build_dataset, build_loader
 from training.decode import build_decoder
 from training.device import DeviceFeed, Runtime, detect
-from training.launch import EXIT_MEMBERSHIP_CHANGE, PROGRESS_FILE_ENV, STOP_BUDGET_ENV
+from training.launch import CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, PROGRESS_FILE_ENV, STOP_BUDGET_ENV, WRITING_MARKER
 from training.metrics import MetricsWriter, stdout_is_for_people, training_flops_per_sample
 from training.models import IMAGE_MODELS, build_model
 from training.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
@@ -101,25 +101,19 @@ class Trainer:
         self.stop.install()
         self.membership = elastic.Membership.from_environment()
         self.runtime: Runtime = detect(config.train.device)
-        # The long first timeout covers the very first start only (first broadcast, compilation);
-        # a restart resumes from a checkpoint and must notice a dead peer as soon as any step would.
-        self.first_start = not CheckpointManager(config.checkpoint.dir).steps()
-        elastic.init_process_group(
-            self.runtime.backend, self.membership, self.runtime.device,
-            config.distributed.startup_timeout_s if self.first_start else config.distributed.timeout_s,
-        )
         # Seconds between SIGTERM and SIGKILL, as the launcher was told (the pod's grace less a margin).
         self.stop_budget_s = float(os.environ.get(STOP_BUDGET_ENV, "30"))
         self.spot = elastic.SpotNotice(os.environ.get(elastic.SPOT_NOTICE_ENV) == "imds"
                                        and self.membership.local_rank == 0)
-        self.distributed = dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world_size = dist.get_world_size() if self.distributed else 1
         # The agent counts this round's training time from our first report (training/rendezvous.py).
         self._progress_file = os.environ.get(PROGRESS_FILE_ENV) if self.membership.local_rank == 0 else None
-        self.metrics = MetricsWriter(self.rank == 0, config.metrics.jsonl_path, config.metrics.tensorboard_dir,
-                                     progress=stdout_is_for_people(config.metrics.stdout))
+        control = os.environ.get(CONTROL_DIR_ENV)
+        # Tells the agent a checkpoint is being written (training/agent.py waits for it before a SIGKILL).
+        self._writing_marker = Path(control) / f"{WRITING_MARKER}-{self.membership.local_rank}" if control else None
+        self.generation = 0  # rounds this process joined in place (regroups)
+        self.regrouping = False  # the ranks agreed to stop for a regroup, not for good
 
+        # The model, its optimizer and the data outlive a regroup: only the world changes.
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
         self.module = build_model(config.model.name, config.model.num_classes, config.model.image_size)
         self.channels_last = config.model.channels_last and not config.model.is_masked_lm
@@ -128,6 +122,34 @@ class Trainer:
             self.module.to(memory_format=torch.channels_last)
         self.optimizer = self._optimizer()
         self.scaler = self.runtime.grad_scaler(config.train.precision)
+        vocab = getattr(getattr(self.module, "size", None), "vocab", None)
+        self.decoder = build_decoder(config.data.decode, self.runtime.kind) if config.data.kind == "imagefolder" else None
+        self.dataset = build_dataset(config, vocab, encoded=self.decoder is not None)
+        classes = getattr(self.dataset, "classes", None)
+        if classes is not None and len(classes) > config.model.num_classes:
+            raise DataError(
+                f"model.num_classes: got {config.model.num_classes}; allowed: at least {len(classes)}, "
+                f"the number of class folders in {config.data.path}"
+            )
+        self._join_world()
+
+    def _join_world(self) -> None:
+        """Everything that depends on this round's ranks: the process group, the resume, the wrapped
+        model, the batch layout. Run at the start and again after each regroup, with the same
+        collectives in the same order as a newly started worker of the round."""
+        config = self.config
+        # The long first timeout covers the very first start only (first broadcast, compilation);
+        # a restart resumes from a checkpoint and must notice a dead peer as soon as any step would.
+        self.first_start = not CheckpointManager(config.checkpoint.dir).steps()
+        elastic.init_process_group(
+            self.runtime.backend, self.membership, self.runtime.device,
+            config.distributed.startup_timeout_s if self.first_start else config.distributed.timeout_s,
+        )
+        self.distributed = dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.metrics = MetricsWriter(self.rank == 0, config.metrics.jsonl_path, config.metrics.tensorboard_dir,
+                                     progress=stdout_is_for_people(config.metrics.stdout))
         checkpoint = config.checkpoint
         self.checkpoints = CheckpointManager(
             checkpoint.dir, checkpoint.keep_last, checkpoint.async_save, checkpoint.staging_dir,
@@ -157,19 +179,27 @@ class Trainer:
         if should_compile(config, self.runtime.kind):
             self.model = compile_with_fallback(self.model)
 
-        vocab = getattr(getattr(self.module, "size", None), "vocab", None)
-        self.decoder = build_decoder(config.data.decode, self.runtime.kind) if config.data.kind == "imagefolder" else None
-        self.dataset = build_dataset(config, vocab, encoded=self.decoder is not None)
-        classes = getattr(self.dataset, "classes", None)
-        if classes is not None and len(classes) > config.model.num_classes:
-            raise DataError(
-                f"model.num_classes: got {config.model.num_classes}; allowed: at least {len(classes)}, "
-                f"the number of class folders in {config.data.path}"
-            )
         self.layout, self.lr_scale, self.global_batch = self._batch_layout()
         self.plan = ElasticBatchPlan(len(self.dataset), self.global_batch, config.train.seed)
         self.sample_log = self._open_sample_log()
         self._resume_event = resume_event
+
+    def regroup(self) -> None:
+        """Join the next round without a new process: the agent asked (REGROUP_SIGNAL), every rank
+        stopped at one step and checkpointed. Leave the group, wait for this worker's place in
+        the new round, and join it: the model, optimizer and data stay built, so a scale-up costs
+        this worker a process-group start and a resume from the checkpoint just written."""
+        started = time.perf_counter()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.model = self.module  # the old DDP wrapper holds the old group
+        self.generation += 1
+        os.environ.update(elastic.await_membership(self.membership.local_rank, self.generation, self.stop))
+        self.membership = elastic.Membership.from_environment()
+        self.stop.reset()
+        self.regrouping = False
+        self._join_world()
+        self._resume_event["regroup_s"] = round(time.perf_counter() - started, 3)
 
     # --- setup -----------------------------------------------------------------------------
 
@@ -360,7 +390,7 @@ class Trainer:
                         if self.progress.step % cfg.train.log_every_steps == 0 or self._last_step(total_steps):
                             last_loss = self._report(window, flops_per_sample)
                         if stop_now:
-                            self._save(synchronous=True, reason="stop")
+                            self._save(synchronous=True, reason="regroup" if self.regrouping else "stop")
                             stopped = True
                             break
                         if notice:
@@ -441,17 +471,21 @@ class Trainer:
         not_finite = ~torch.isfinite(loss)
         if not self.distributed:
             self._nonfinite = not_finite if self._nonfinite is None else self._nonfinite | not_finite
-            return self.stop.requested, self.spot.pending, self.rank == 0 and self._save_due()
+            self.regrouping = self.stop.regroup and not self.stop.requested
+            return self.stop.requested or self.stop.regroup, self.spot.pending, self.rank == 0 and self._save_due()
         save_next = self.rank == 0 and self._save_due(steps_ahead=1)
         if save_next:
             self._save_asked_for = self.progress.step + 1
-        agreed = self.agreement.exchange(self.stop.requested, self.spot.pending, save_next, not_finite)
+        agreed = self.agreement.exchange(self.stop.requested, self.spot.pending, save_next, not_finite,
+                                         self.stop.regroup)
         if agreed is None:  # the first step of this attempt: nothing was asked a step ago
             return False, False, False
-        stop_now, notice, save_now, diverged = agreed
+        stop_now, notice, save_now, diverged, regroup = agreed
         if diverged:
             raise self._diverged()
-        return stop_now, notice, save_now
+        # A stop signal anywhere wins: the job (or this node) is going away, not changing size.
+        self.regrouping = regroup and not stop_now
+        return stop_now or regroup, notice, save_now
 
     def _diverged(self) -> Diverged:
         steps = self.checkpoints.steps()
@@ -630,6 +664,8 @@ class Trainer:
 
     def _announce_saved(self, saved: Saved) -> None:
         """Rank 0, from the writer: the file is durable. Called from the writer thread when asynchronous."""
+        if self._writing_marker is not None:
+            self._writing_marker.unlink(missing_ok=True)
         spanned = max(0, self.progress.step - saved.step)  # steps trained while it was written
         if self._recent_step_s and self.checkpoints.async_save:
             # Whole steps the write lasts: the next asynchronous save starts that many steps early.
@@ -672,6 +708,8 @@ class Trainer:
             asynchronous = self.checkpoints.async_save and not synchronous
             self.metrics.event("checkpoint_started", step=progress.step, reason=reason, asynchronous=asynchronous,
                                stop_budget_s=self.stop_budget_s)
+            if self._writing_marker is not None:
+                self._writing_marker.touch()
             self.checkpoints.save(progress.step, state, asynchronous=asynchronous)
             last = self.checkpoints.last_saved
             if last is not None and last.write_s > STOP_BUDGET_SHARE * self.stop_budget_s and not self._budget_warned:
@@ -812,13 +850,17 @@ def _seed_all(seed: int) -> None:
 def train(config: TrainConfig) -> TrainResult:
     """Run (or resume) training to the end, or until a stop signal; exits 75 when a peer stopped."""
     trainer = Trainer(config)
-    try:
-        result = trainer.run()
-    except BaseException:
-        # The process ends: a group whose peer is gone is not torn down (gloo's teardown then
-        # waits on the dead peer for seconds, and the agent on it before it can re-form).
-        trainer.finish_writing()
-        raise
+    while True:
+        try:
+            result = trainer.run()
+        except BaseException:
+            # The process ends: a group whose peer is gone is not torn down (gloo's teardown then
+            # waits on the dead peer for seconds, and the agent on it before it can re-form).
+            trainer.finish_writing()
+            raise
+        if not (result.stopped_by_signal and trainer.regrouping):
+            break
+        trainer.regroup()
     if dist.is_initialized():
         dist.destroy_process_group()
     if result.stopped_by_signal and not trainer.stop.requested:
