@@ -79,7 +79,7 @@ class RendezvousTuning:
     # --election-timeout=500; 2 s with etcd's defaults).
     keep_alive_interval: float = 0.25
     lease_ttl: float = 1
-    # A growing round waits this long after the last arrival, so nodes arriving together join together.
+    # A job's first round waits this long after the last arrival, so nodes starting together join together.
     last_call_timeout: float = 2.0
     # Nodes that arrive while a round runs are admitted together once it has trained this long.
     scale_up_after_s: float = 30.0

@@ -22,8 +22,9 @@ never reached its full size. This handler implements torch's ``RendezvousHandler
 - **Growth is batched.** A node that arrives while a round is running waits; the running
   members admit all waiting nodes together, once the round has trained for
   ``scale_up_after_s`` since it started (its first progress report, see
-  :data:`training.launch.PROGRESS_FILE_ENV`). A growing round then waits
-  ``last_call_timeout`` for more arrivals. Below ``min_nodes`` nothing waits.
+  :data:`training.launch.PROGRESS_FILE_ENV`); that round completes once every live node has
+  joined. Only a job's first round waits ``last_call_timeout`` for nodes starting together.
+  Below ``min_nodes`` nothing waits.
 - **Newcomers count only when ready.** An agent registers as waiting after its warm-up
   (``training.launch`` imports torch._dynamo and the trainer into the agent before that, so
   forked workers start warm). On an admission the survivors' workers stay up and join the new
