@@ -34,7 +34,10 @@ class ClusterAddons(Construct):
         cni = self._role("VpcCni", "kube-system", "aws-node", "VPC CNI: assigns pod IP addresses",
                          managed=["AmazonEKS_CNI_Policy"])
         # Node groups wait for it: nodes must come up with the pinned CNI (EFA-only interfaces need it).
-        self.vpc_cni = self._addon("vpc-cni", roles=[cni])
+        # Its network policy agent enforces the platform's NetworkPolicies (etcd's, the jobs'); off
+        # by default, and a string, not a boolean (EKS user guide, cni-network-policy-configure;
+        # VPC CNI 1.14+, which every pinned version is).
+        self.vpc_cni = self._addon("vpc-cni", roles=[cni], configuration={"enableNetworkPolicy": "true"})
         self._addon("kube-proxy")
         self._addon("coredns")
         # gp3 volumes for etcd's data (the platform's StorageClass names this driver).

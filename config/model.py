@@ -20,6 +20,7 @@ from config.versions import (
     ADDON_VERSIONS, CLUSTER_AUTOSCALER_CHART_RANGES, CLUSTER_AUTOSCALER_CHARTS, EFA_DEVICE_PLUGIN_CHART,
     MIN_VPC_CNI_FOR_EFA_ONLY, autoscaler_minor, semver,
 )
+from training.etcd_cluster import ETCD_MEMBERS
 from typed_config import FieldProblem, StrictModel
 
 # Kubernetes minor versions for which EKS and a pinned kubectl Lambda layer both exist.
@@ -175,9 +176,18 @@ class SystemNodeGroupConfig(_Sized):
     """CPU nodes for etcd, Volcano, the autoscaler and other controllers."""
 
     instance_type: str = "c5.2xlarge"
-    min_size: int = Field(default=2, ge=1)
-    desired_size: int = Field(default=2, ge=1)
+    # Three at least: etcd's three members each need a node of their own (k8s_charts/platform_charts.py).
+    min_size: int = Field(default=3, ge=1)
+    desired_size: int = Field(default=3, ge=1)
     max_size: int = Field(default=4, ge=1)
+
+    @field_validator("min_size")
+    @classmethod
+    def _room_for_etcd(cls, v: int) -> int:
+        if v < ETCD_MEMBERS:
+            raise FieldProblem("", v, f"at least {ETCD_MEMBERS}",
+                               f"etcd's {ETCD_MEMBERS} members each need a system node of their own")
+        return v
 
     @field_validator("instance_type")
     @classmethod
@@ -412,8 +422,9 @@ class PriorityClassConfig(StrictModel):
 class EtcdConfig(StrictModel):
     """The rendezvous store of the platform-etcd backend (training/rendezvous.py, etcd's v3 API)."""
 
-    # None: an emptyDir (rendezvous state expires by itself). A size: a PersistentVolumeClaim.
-    persistent_volume_gib: int | None = Field(default=None, ge=1, le=100)
+    # Each of the three members keeps its Raft log on a gp3 volume of this size (its identity:
+    # a member must not come back empty under its old name). Rendezvous state is a few KiB.
+    persistent_volume_gib: int = Field(default=2, ge=1, le=100)
     storage_class: K8sName = "gp3"
 
 

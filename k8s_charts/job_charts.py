@@ -14,8 +14,8 @@ from k8s_charts.job_spec import FSX_MOUNT, JobSpec
 from k8s_charts.objects import k8s_object
 from k8s_charts.platform_charts import FSX_CLAIM, TRAINER_SERVICE_ACCOUNT, etcd_endpoint
 from training.launch import (
-    EXIT_CONFIG, EXIT_DIVERGED, EXIT_RESTART_JOB, LAUNCH_ENVIRONMENT, PLATFORM_TUNING, SPOT_NOTICE_ENV, TRAINER_MODULE,
-    launch_command,
+    EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, LAUNCH_ENVIRONMENT, PLATFORM_TUNING,
+    SPOT_NOTICE_ENV, TRAINER_MODULE, launch_command,
 )
 
 # Kept free on every node for the kubelet, the OS and the platform's DaemonSets.
@@ -35,27 +35,59 @@ GROUP_NAME_ANNOTATION = "scheduling.k8s.io/group-name"
 JOB_VERSION_ANNOTATION = "volcano.sh/job-version"
 
 
+# Volcano's RetryCount only grows: every RestartPod and RestartJob adds one, nothing resets it,
+# and the job fails once it reaches maxRetry (pkg/controllers/job/state/running.go 35-46,
+# state/restarting.go 35-39, v1.15.1). A long job on Spot capacity that makes progress must not end
+# on a count of pods lost, so the count is set out of reach: the largest value the CRD's int32
+# field holds. Crash loops are bounded where progress is known: the agent's progress-aware
+# --max-restarts, then EXIT_CRASH_LOOP (training/launch.py).
+VOLCANO_MAX_RETRY = 2**31 - 1
+# The pod annotation cluster-autoscaler honours: it never removes a node that runs such a pod
+# for consolidation (a training pod on a half-used node would otherwise be evicted to pack nodes).
+SAFE_TO_EVICT = {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+# The trainer images' user (training/docker/Dockerfile.*): the pods run as it, never as root.
+TRAINER_UID = 1000
+
+
 def job_policies() -> list[dict]:
     """What Volcano v1.15.1's job controller does when a pod of the job ends (pkg/controllers/job).
 
-    Exit-code policies come first: the controller takes the first policy that matches, checking
-    each policy's events before its exit code (job_controller_util.go applyPolicies).
-    - the trainer's config, data or checkpoint directory is wrong, or its loss diverged:
-      terminate, nothing would fix it by retrying;
-    - the agent's workers failed for good: restart the whole job, which bumps the job version
-      and so gives the next incarnation a fresh rendezvous id;
+    The controller takes the first policy in list order whose event or exit code matches
+    (job_controller_util.go applyPolicies); exit codes are the first container's.
+    - the trainer's config, data or checkpoint directory is wrong, its loss diverged, or its
+      workers crash in a loop with no checkpoint since the agent started: terminate, nothing
+      would fix it by retrying;
+    - the agent's workers failed for good after progress: restart the whole job, which bumps the
+      job version and so gives the next incarnation a fresh rendezvous id;
+    - the agent was stopped by the pod's SIGTERM (a drain, a Spot reclaim): nothing. The pod is
+      being deleted; its deletion (PodEvicted, no policy) makes the controller's sync recreate
+      it (job_controller_actions.go syncJob) without a retry counted and without RestartPod's
+      side effects: RestartPod deletes the job's PodGroup and runs every plugin's delete hook
+      (killPods). ResumeJob is the user-allowed action that is a plain sync in the Running
+      state (state/running.go default branch);
     - any other failure of a pod: replace that pod alone (RestartPod deletes only it); the
-      survivors go on at N-1 through the rendezvous, and the replacement joins them;
-    - a deleted pod (drain, lost node, preemption): no policy; the controller's default sync
-      recreates the missing pod (job_controller_actions.go syncJob), also alone.
-    Every RestartPod counts against ``maxRetry``.
+      survivors go on at N-1 through the rendezvous, and the replacement joins them.
     """
     return [
         {"exitCode": EXIT_CONFIG, "action": "TerminateJob"},
         {"exitCode": EXIT_DIVERGED, "action": "TerminateJob"},
+        {"exitCode": EXIT_CRASH_LOOP, "action": "TerminateJob"},
         {"exitCode": EXIT_RESTART_JOB, "action": "RestartJob"},
+        {"exitCode": EXIT_STOPPED, "action": "ResumeJob"},
         {"event": "PodFailed", "action": "RestartPod"},
     ]
+
+
+def nccl_check_policies() -> list[dict]:
+    """The NCCL check runs once: any failed or deleted pod ends it, and no retry is left to take."""
+    return [{"events": ["PodFailed", "PodEvicted"], "action": "TerminateJob"}]
+
+
+def restricted_pod_security(uid: int = TRAINER_UID) -> tuple[dict, dict]:
+    """(pod, container) security contexts the Pod Security Standards' restricted level asks for."""
+    pod = {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "seccompProfile": {"type": "RuntimeDefault"}}
+    container = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    return pod, container
 
 
 def nccl_environment(efa: bool, rdma: bool) -> dict[str, str]:
@@ -102,11 +134,15 @@ def spot_environment(group: AcceleratedNodeGroupConfig) -> dict[str, str]:
     return {SPOT_NOTICE_ENV: "imds"} if group.capacity_type is CapacityType.SPOT else {}
 
 
+def cache_dir(spec: JobSpec) -> str:
+    return f"{FSX_MOUNT}/cache/{spec.name}"
+
+
 def cache_environment(spec: JobSpec, config: PlatformConfig) -> dict[str, str]:
     """Compiler caches on the shared file system, per job: a restart or a new world size does not
     compile again what an earlier incarnation compiled (torch.compile's Inductor and Triton caches;
     the Neuron compiler's cache). Not under the S3-linked directories: caches stay on FSx."""
-    cache = f"{FSX_MOUNT}/cache/{spec.name}"
+    cache = cache_dir(spec)
     if spec.group(config).instance.accelerator is Accelerator.NEURON:
         # As AWS's Neuron samples on EKS do: the compile cache and the collectives' socket interface.
         return {"NEURON_CC_FLAGS": f"--cache_dir={cache}/neuron", "CCOM_SOCKET_IFNAME": "eth0"}
@@ -153,7 +189,8 @@ class _VolcanoJobChart(Chart):
     """A Volcano Job of min..max identical pods, one per node, running torchrun."""
 
     def __init__(self, scope: Construct, id: str, config: PlatformConfig, spec: JobSpec, name: str,
-                 trainer: list[str], extra_env: dict[str, str] | None = None):
+                 trainer: list[str], policies: list[dict], max_retry: int, writable_dirs: list[str] = (),
+                 extra_env: dict[str, str] | None = None):
         super().__init__(scope, id)
         group = spec.group(config)
         instance = group.instance
@@ -166,6 +203,7 @@ class _VolcanoJobChart(Chart):
                **cache_environment(spec, config), **LAUNCH_ENVIRONMENT, "OMP_NUM_THREADS": "1",
                **spot_environment(group), **(extra_env or {}), **spec.env}
         labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "training-platform"}
+        pod_security, container_security = restricted_pod_security()
         container = {
             "name": "trainer",
             "image": spec.image,
@@ -174,7 +212,13 @@ class _VolcanoJobChart(Chart):
             "env": _downward_env() + _env(env),
             "resources": resources,
             "volumeMounts": mounts,
+            # No capability: EFA, NVIDIA and Neuron device files are opened through the device
+            # plugins' cgroup grants, and EFA's pinned memory is bounded by the node's memlock
+            # limit, not by CAP_IPC_LOCK (the same holds for root in a container, which has no
+            # IPC_LOCK either).
+            "securityContext": container_security,
         }
+        init_containers = [writable_dirs_container(spec.image, writable_dirs, mounts)] if writable_dirs else []
         k8s_object(self, "job", api_version="batch.volcano.sh/v1alpha1", kind="Job",
                   metadata={"name": name, "namespace": config.jobs.namespace, "labels": labels},
                   spec={
@@ -186,21 +230,25 @@ class _VolcanoJobChart(Chart):
                       # 0 after the final checkpoint, and pods still waiting for a node must not keep
                       # the job Running (pkg/controllers/job/state/running.go, v1.15.1).
                       "minSuccess": 1,
-                      "maxRetry": spec.max_restarts,
+                      "maxRetry": max_retry,
                       "ttlSecondsAfterFinished": config.jobs.ttl_seconds_after_finished,
-                      # svc: a headless Service and hostnames; env: VC_TASK_INDEX. torchrun needs neither
-                      # for rendezvous (etcd), but they make pods addressable for debugging.
-                      "plugins": {"svc": [], "env": []},
-                      "policies": job_policies(),
+                      # No plugins: the rendezvous is etcd's, so nothing needs svc's hostnames or env's
+                      # VC_TASK_INDEX, and every RestartPod would delete and recreate svc's ConfigMap,
+                      # Service and NetworkPolicy (killPods runs each plugin's OnJobDelete,
+                      # job_controller_actions.go, v1.15.1): a pod starting meanwhile fails to mount them.
+                      "policies": policies,
                       "tasks": [{
                           "name": "worker",
                           "replicas": spec.max_nodes,
                           "minAvailable": spec.min_nodes,
                           "template": {
-                              "metadata": {"labels": labels},
+                              "metadata": {"labels": labels, "annotations": dict(SAFE_TO_EVICT)},
                               "spec": {
                                   "restartPolicy": "Never",
                                   "serviceAccountName": TRAINER_SERVICE_ACCOUNT,
+                                  # Nothing in the pod calls the Kubernetes API.
+                                  "automountServiceAccountToken": False,
+                                  "securityContext": pod_security,
                                   "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
                                   "nodeSelector": {INSTANCE_TYPE_LABEL: instance.name},
                                   "tolerations": [
@@ -209,6 +257,7 @@ class _VolcanoJobChart(Chart):
                                          "tolerationSeconds": LOST_NODE_TOLERATION_SECONDS}
                                         for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")),
                                   ],
+                                  "initContainers": init_containers,
                                   "containers": [container],
                                   "volumes": volumes,
                               },
@@ -217,11 +266,33 @@ class _VolcanoJobChart(Chart):
                   })
 
 
+def writable_dirs_container(image: str, directories: list[str], mounts: list[dict]) -> dict:
+    """An init container that makes the job's own directories on FSx the trainer user's.
+
+    The file system's root and what its data repository imports from S3 belong to root, and
+    the trainer runs as :data:`TRAINER_UID`: only this container runs as root, with the three
+    capabilities that creating and handing over a directory in a root-owned tree needs (all
+    within the Pod Security Standards' baseline level). It does not recurse: files of an earlier
+    job stay whose they were.
+    """
+    return {
+        "name": "writable-dirs",
+        "image": image,
+        "command": ["install", "-d", "-o", str(TRAINER_UID), "-g", str(TRAINER_UID), "-m", "0775", *directories],
+        "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "64Mi"}},
+        "volumeMounts": [m for m in mounts if m["mountPath"] == FSX_MOUNT],
+        "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "DAC_OVERRIDE", "FOWNER"]}},
+    }
+
+
 class TrainingJobChart(_VolcanoJobChart):
     """The elastic training job: ``torchrun ... -m training train <the spec's trainer args>``."""
 
     def __init__(self, scope: Construct, id: str, config: PlatformConfig, spec: JobSpec):
-        super().__init__(scope, id, config, spec, spec.name, ["train", *spec.trainer_flags(config)])
+        super().__init__(scope, id, config, spec, spec.name, ["train", *spec.trainer_flags(config)],
+                         policies=job_policies(), max_retry=VOLCANO_MAX_RETRY,
+                         writable_dirs=[spec.checkpoint_dir(), spec.staging_dir(), cache_dir(spec)])
 
 
 class NcclCheckChart(_VolcanoJobChart):
@@ -236,7 +307,9 @@ class NcclCheckChart(_VolcanoJobChart):
         if spec.efa_devices(config):
             sweep.append("--require-efa")
         check = spec.model_copy(update={"name": f"{spec.name}-nccl", "min_nodes": spec.max_nodes, "max_restarts": 0})
-        super().__init__(scope, id, config, check, check.name, sweep)
+        # maxRetry 1, not 0: Volcano's mutating webhook turns 0 into 3 (mutate_job.go
+        # patchDefaultMaxRetry, v1.15.1). With the policies no restart is ever asked for anyway.
+        super().__init__(scope, id, config, check, check.name, sweep, policies=nccl_check_policies(), max_retry=1)
 
 
 class DataPrepChart(Chart):
@@ -256,7 +329,11 @@ class DataPrepChart(Chart):
                       "template": {"spec": {
                           "restartPolicy": "Never",
                           "serviceAccountName": TRAINER_SERVICE_ACCOUNT,
+                          "automountServiceAccountToken": False,
                           "nodeSelector": {NODE_ROLE_LABEL: SYSTEM_ROLE},
+                          # Root, because it rearranges what the data repository imported as root's;
+                          # only the capabilities that moving files in that tree needs.
+                          "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
                           "containers": [{
                               "name": "prepare",
                               "image": image,
@@ -264,6 +341,10 @@ class DataPrepChart(Chart):
                                           "--labels", f"{dataset_path}/{labels_file}"],
                               "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
                               "volumeMounts": mounts,
+                              "securityContext": {"runAsUser": 0, "runAsNonRoot": False,
+                                                  "allowPrivilegeEscalation": False,
+                                                  "capabilities": {"drop": ["ALL"],
+                                                                   "add": ["CHOWN", "DAC_OVERRIDE", "FOWNER"]}},
                           }],
                           "volumes": volumes,
                       }},

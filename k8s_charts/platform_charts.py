@@ -13,19 +13,40 @@ from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE
 from k8s_charts.job_spec import FSX_MOUNT
 from k8s_charts.objects import k8s_object
 from training.launch import ETCD_CLIENT_PORT, ETCD_PEER_PORT
-from training.local_cluster import etcd_arguments
+from training.etcd_cluster import ETCD_MEMBERS, etcd_arguments
 
 ETCD_NAME = "etcd"
+# The headless Service that gives each member a stable DNS name (etcd-0.etcd-peers.<ns>.svc...).
+ETCD_PEERS = "etcd-peers"
+ETCD_METRICS_PORT = 2381  # /livez, /readyz and /metrics, plain HTTP, for the kubelet's probes
+# A member on a node that stopped answering is marked for deletion after this long instead of
+# Kubernetes' default 300 s. Its replacement still waits until the node object is gone (a
+# StatefulSet never runs two pods of one identity), but the two others keep the quorum meanwhile.
+ETCD_LOST_NODE_TOLERATION_SECONDS = 30
 # Training pods run as this service account; the cluster gives it access to the data bucket's prefixes.
 TRAINER_SERVICE_ACCOUNT = "trainer"
 FSX_CLAIM = "fsx"
 FSX_CSI_DRIVER = "fsx.csi.aws.com"
 EBS_CSI_DRIVER = "ebs.csi.aws.com"
-ETCD_DATA_DIR = "/var/lib/etcd"
+# A subdirectory of the member's volume: the volume's root holds ext4's lost+found.
+ETCD_DATA_DIR = "/var/lib/etcd/data"
+# The label the API server sets on every namespace (immutable): policies select namespaces by it.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+
+def etcd_member_hosts(config: PlatformConfig) -> list[str]:
+    namespace = config.jobs.platform_namespace
+    return [f"{ETCD_NAME}-{i}.{ETCD_PEERS}.{namespace}.svc.cluster.local" for i in range(ETCD_MEMBERS)]
 
 
 def etcd_endpoint(config: PlatformConfig) -> str:
-    """The stable in-cluster address torchrun's --rdzv-endpoint points at."""
+    """torchrun's --rdzv-endpoint: every member's address. The rendezvous client moves to the next
+    member the moment one stops answering, without waiting for a Service to drop it."""
+    return ",".join(f"{host}:{ETCD_CLIENT_PORT}" for host in etcd_member_hosts(config))
+
+
+def etcd_service_endpoint(config: PlatformConfig) -> str:
+    """The client Service in front of the ready members (etcdctl, debugging)."""
     return f"{ETCD_NAME}.{config.jobs.platform_namespace}.svc.cluster.local:{ETCD_CLIENT_PORT}"
 
 
@@ -40,87 +61,173 @@ def _metadata(name: str, namespace: str | None = None, **labels: str) -> dict:
     return metadata
 
 
+def pod_security_labels(enforce: str) -> dict[str, str]:
+    """Pod Security Admission: ``enforce`` refuses pods above that level; warnings and audit
+    entries report anything short of ``restricted``."""
+    return {"pod-security.kubernetes.io/enforce": enforce, "pod-security.kubernetes.io/warn": "restricted",
+            "pod-security.kubernetes.io/audit": "restricted"}
+
+
 class NamespacesChart(Chart):
-    """The platform's namespace (etcd), the jobs' namespace and its trainer service account."""
+    """The platform's namespace (etcd), the jobs' namespace, its trainer service account, and who may reach its pods.
+
+    Pod Security Admission levels: etcd's namespace is ``restricted``. The jobs' namespace is
+    ``baseline``: its pods are restricted (non-root, no capability, RuntimeDefault seccomp)
+    except two containers that run as root with CHOWN, DAC_OVERRIDE and FOWNER to work in the
+    root-owned tree of the file system (k8s_charts/job_charts.py, writable_dirs_container and
+    the data preparation); ``warn`` and ``audit`` name them.
+    """
 
     def __init__(self, scope: Construct, id: str, config: PlatformConfig):
         super().__init__(scope, id)
-        namespaces = {name: k8s_object(self, name, api_version="v1", kind="Namespace", metadata=_metadata(name))
-                      for name in (config.jobs.platform_namespace, config.jobs.namespace)}
+        levels = {config.jobs.platform_namespace: "restricted", config.jobs.namespace: "baseline"}
+        namespaces = {name: k8s_object(self, name, api_version="v1", kind="Namespace",
+                                       metadata=_metadata(name, **pod_security_labels(level)))
+                      for name, level in levels.items()}
         account = k8s_object(self, "trainer", api_version="v1", kind="ServiceAccount",
                              metadata=_metadata(TRAINER_SERVICE_ACCOUNT, config.jobs.namespace),
                              automountServiceAccountToken=False)
         account.add_dependency(namespaces[config.jobs.namespace])
+        # Training pods take connections from pods of their own namespace only (the workers'
+        # store on rank 0, NCCL's bootstrap and sockets). EFA traffic does not pass eth0.
+        policy = k8s_object(self, "jobs-ingress", api_version="networking.k8s.io/v1", kind="NetworkPolicy",
+                            metadata=_metadata("same-namespace-ingress", config.jobs.namespace),
+                            spec={"podSelector": {}, "policyTypes": ["Ingress"],
+                                  "ingress": [{"from": [{"podSelector": {}}]}]})
+        policy.add_dependency(namespaces[config.jobs.namespace])
 
 
 class EtcdChart(Chart):
-    """One etcd 3.5 member (v3 API, short Raft timing for 1 s leases), the rendezvous store of every job.
+    """Three etcd 3.5 members (v3 API, short Raft timing for 1 s leases): the rendezvous store of every job.
 
-    Running jobs outlive it being away (training.rendezvous: measured through 20 s and 60 s
-    outages without a pause, and a restart without its data costs one re-rendezvous and no
-    step), so one member is enough and its data may live in an emptyDir; set
-    ``jobs.etcd.persistent_volume_gib`` to keep it on a gp3 volume across pod restarts. A
-    volume is bound to one AZ: if the only system node of that AZ goes, etcd waits Pending for
-    a node there, longer than jobs wait for it. cluster-autoscaler is told not to evict it
-    when it scales the system nodes down. No PodDisruptionBudget: with one member it could only
-    block node drains, and a drain costs the jobs a brief outage they ride out.
+    A StatefulSet gives each member a stable name and its own encrypted gp3 volume. A member's
+    identity is its data: one that came back empty under its old name could vote twice in a
+    term, so etcd's rule is to remove and re-add a member that lost its data, which a volume
+    makes unnecessary. The volume is tied to one AZ and detaches slowly from a dead node (up to
+    6 minutes), but only the lost member waits for it: the two others keep the quorum, and jobs
+    see no outage (tests/test_etcd_quorum.py: a member killed mid-run, no step lost, no
+    re-rendezvous). Even a lost quorum is ridden out for 600 s (training/rendezvous.py).
+
+    One member per system node (required anti-affinity), spread over AZs where it can be; a
+    PodDisruptionBudget lets drains take one member at a time; cluster-autoscaler never removes
+    a member's node to consolidate.
     """
 
     def __init__(self, scope: Construct, id: str, config: PlatformConfig):
         super().__init__(scope, id, namespace=config.jobs.platform_namespace)
         namespace = config.jobs.platform_namespace
         labels = {"app.kubernetes.io/name": ETCD_NAME}
-        # Listen on every interface; clients only ever use the Service name.
-        args = etcd_arguments(ETCD_NAME, ETCD_DATA_DIR, ETCD_CLIENT_PORT, ETCD_PEER_PORT, listen_host="0.0.0.0",
-                              client_host=f"{ETCD_NAME}.{namespace}.svc.cluster.local", peer_host="127.0.0.1")
+        member_url = f"http://$(POD_NAME).{ETCD_PEERS}.{namespace}.svc.cluster.local"
+        args = etcd_arguments(
+            "$(POD_NAME)", ETCD_DATA_DIR,
+            peers={f"{ETCD_NAME}-{i}": f"http://{host}:{ETCD_PEER_PORT}"
+                   for i, host in enumerate(etcd_member_hosts(config))},
+            listen_client_urls=[f"http://0.0.0.0:{ETCD_CLIENT_PORT}"],
+            advertise_client_url=f"{member_url}:{ETCD_CLIENT_PORT}",
+            listen_peer_url=f"http://$(POD_IP):{ETCD_PEER_PORT}",
+            advertise_peer_url=f"{member_url}:{ETCD_PEER_PORT}",
+            cluster_token=f"{config.name_prefix}-rendezvous",
+            metrics_url=f"http://0.0.0.0:{ETCD_METRICS_PORT}")
         etcd = config.jobs.etcd
-        volume = ({"name": "data", "persistentVolumeClaim": {"claimName": f"{ETCD_NAME}-data"}}
-                  if etcd.persistent_volume_gib else {"name": "data", "emptyDir": {}})
-        if etcd.persistent_volume_gib:
-            k8s_object(self, "data", api_version="v1", kind="PersistentVolumeClaim",
-                      metadata=_metadata(f"{ETCD_NAME}-data", namespace, **labels),
-                      spec={"accessModes": ["ReadWriteOnce"], "storageClassName": etcd.storage_class,
-                            "resources": {"requests": {"storage": f"{etcd.persistent_volume_gib}Gi"}}})
-        probe = {"httpGet": {"path": "/health", "port": ETCD_CLIENT_PORT}, "periodSeconds": 5, "timeoutSeconds": 2}
-        k8s_object(self, "deployment", api_version="apps/v1", kind="Deployment",
+
+        def probe(path: str) -> dict:
+            return {"httpGet": {"path": path, "port": ETCD_METRICS_PORT}, "periodSeconds": 5, "timeoutSeconds": 2}
+
+        selector = {"matchLabels": labels}
+        k8s_object(self, "statefulset", api_version="apps/v1", kind="StatefulSet",
                   metadata=_metadata(ETCD_NAME, namespace, **labels),
                   spec={
-                      "replicas": 1,
-                      # One member at a time: two would be two separate clusters.
-                      "strategy": {"type": "Recreate"},
-                      "selector": {"matchLabels": labels},
+                      "replicas": ETCD_MEMBERS,
+                      "serviceName": ETCD_PEERS,
+                      # All members at once: a new cluster forms only when a quorum has started,
+                      # which OrderedReady (each waits for the one before to be ready) never allows.
+                      "podManagementPolicy": "Parallel",
+                      "updateStrategy": {"type": "RollingUpdate"},
+                      "selector": selector,
                       "template": {
                           "metadata": {"labels": {**labels, "app.kubernetes.io/part-of": "training-platform"},
                                        "annotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}},
                           "spec": {
                               "nodeSelector": system_node_selector(),
                               "priorityClassName": "system-cluster-critical",
-                              "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "fsGroup": 65532,
-                                                  "seccompProfile": {"type": "RuntimeDefault"}},
+                              "automountServiceAccountToken": False,
+                              "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                                  {"labelSelector": selector, "topologyKey": "kubernetes.io/hostname"}]}},
+                              "topologySpreadConstraints": [{
+                                  "maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                  "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": selector}],
+                              "tolerations": [
+                                  {"key": key, "operator": "Exists", "effect": "NoExecute",
+                                   "tolerationSeconds": ETCD_LOST_NODE_TOLERATION_SECONDS}
+                                  for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")],
+                              "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                                                  "fsGroup": 65532, "seccompProfile": {"type": "RuntimeDefault"}},
                               "containers": [{
                                   "name": ETCD_NAME,
                                   "image": config.versions.etcd_image,
                                   "command": ["etcd"],
                                   "args": args,
+                                  "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                                          {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
                                   "ports": [{"name": "client", "containerPort": ETCD_CLIENT_PORT},
-                                            {"name": "peer", "containerPort": ETCD_PEER_PORT}],
-                                  "readinessProbe": {**probe, "initialDelaySeconds": 2},
-                                  "livenessProbe": {**probe, "initialDelaySeconds": 15, "failureThreshold": 6},
+                                            {"name": "peer", "containerPort": ETCD_PEER_PORT},
+                                            {"name": "metrics", "containerPort": ETCD_METRICS_PORT}],
+                                  # etcd 3.5.11+: /readyz needs a leader and a linearizable read; /livez
+                                  # only that the member itself is not stuck.
+                                  "readinessProbe": {**probe("/readyz"), "initialDelaySeconds": 2},
+                                  "livenessProbe": {**probe("/livez"), "initialDelaySeconds": 15,
+                                                    "failureThreshold": 6},
                                   "resources": {"requests": {"cpu": "250m", "memory": "256Mi"},
                                                 "limits": {"memory": "1Gi"}},
                                   "securityContext": {"allowPrivilegeEscalation": False,
                                                       "readOnlyRootFilesystem": True,
                                                       "capabilities": {"drop": ["ALL"]}},
-                                  "volumeMounts": [{"name": "data", "mountPath": ETCD_DATA_DIR}],
+                                  "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
                               }],
-                              "volumes": [volume],
                           },
                       },
+                      "volumeClaimTemplates": [{
+                          "metadata": {"name": "data", "labels": labels},
+                          "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": etcd.storage_class,
+                                   "resources": {"requests": {"storage": f"{etcd.persistent_volume_gib}Gi"}}},
+                      }],
                   })
+        k8s_object(self, "peers", api_version="v1", kind="Service",
+                  metadata=_metadata(ETCD_PEERS, namespace, **labels),
+                  spec={"clusterIP": "None", "selector": labels,
+                        # Members must find each other before any is ready: readiness needs a quorum.
+                        "publishNotReadyAddresses": True,
+                        "ports": [{"name": "client", "port": ETCD_CLIENT_PORT, "targetPort": ETCD_CLIENT_PORT},
+                                  {"name": "peer", "port": ETCD_PEER_PORT, "targetPort": ETCD_PEER_PORT}]})
         k8s_object(self, "service", api_version="v1", kind="Service",
                   metadata=_metadata(ETCD_NAME, namespace, **labels),
                   spec={"selector": labels,
                         "ports": [{"name": "client", "port": ETCD_CLIENT_PORT, "targetPort": ETCD_CLIENT_PORT}]})
+        k8s_object(self, "budget", api_version="policy/v1", kind="PodDisruptionBudget",
+                  metadata=_metadata(ETCD_NAME, namespace, **labels),
+                  spec={"maxUnavailable": 1, "selector": selector})
+        self._network_policies(config, labels)
+
+    def _network_policies(self, config: PlatformConfig, labels: dict[str, str]) -> None:
+        """Only the jobs' namespace reaches etcd's client port, only members its peer port; nothing else gets in.
+
+        Enforced by the VPC CNI's network policy agent (enabled on the vpc-cni add-on,
+        cdk_constructs/cluster_addons.py). It always admits traffic from the node itself, so the
+        kubelet's probes on the metrics port pass.
+        """
+        namespace = config.jobs.platform_namespace
+        k8s_object(self, "deny-ingress", api_version="networking.k8s.io/v1", kind="NetworkPolicy",
+                  metadata=_metadata("deny-ingress", namespace),
+                  spec={"podSelector": {}, "policyTypes": ["Ingress"]})
+        k8s_object(self, "etcd-ingress", api_version="networking.k8s.io/v1", kind="NetworkPolicy",
+                  metadata=_metadata(ETCD_NAME, namespace, **labels),
+                  spec={"podSelector": {"matchLabels": labels}, "policyTypes": ["Ingress"], "ingress": [
+                      {"from": [{"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: config.jobs.namespace}}}],
+                       "ports": [{"protocol": "TCP", "port": ETCD_CLIENT_PORT}]},
+                      {"from": [{"podSelector": {"matchLabels": labels}}],
+                       "ports": [{"protocol": "TCP", "port": ETCD_CLIENT_PORT},
+                                 {"protocol": "TCP", "port": ETCD_PEER_PORT}]},
+                  ]})
 
 
 class SchedulingChart(Chart):
@@ -173,7 +280,7 @@ class PlatformCheckChart(Chart):
 
     def __init__(self, scope: Construct, id: str, config: PlatformConfig):
         super().__init__(scope, id)
-        endpoint = f"http://{etcd_endpoint(config)}"
+        endpoint = f"http://{etcd_service_endpoint(config)}"
         k8s_object(self, "job", api_version="batch.volcano.sh/v1alpha1", kind="Job",
                    metadata=_metadata(platform_check_name(config), config.jobs.namespace),
                    spec={

@@ -1,9 +1,10 @@
 """The charts' own etcd arguments and torchrun command, run for real on loopback.
 
-etcd starts with the Deployment's args (only addresses, ports and the data dir changed for
-loopback), and two agents run the training job's command (only the interpreter, $(POD_IP),
-the rendezvous id, the etcd address and the per-node process count changed; the trainer is
-told to train a tiny model). They must rendezvous into one world of two and finish.
+Three etcd members start with the StatefulSet's args (only the pod's name and IP, the members'
+addresses, ports and the data dir changed for loopback), and two agents run the training job's
+command (only the interpreter, $(POD_IP), the rendezvous id, the etcd addresses and the per-node
+process count changed; the trainer is told to train a tiny model). They must rendezvous into
+one world of two and finish.
 """
 
 from __future__ import annotations
@@ -17,22 +18,35 @@ import pytest
 
 from tests.conftest import REPO
 from tests.test_charts import RENDERED, container, the_job
-from training.local_cluster import LocalEtcd, free_port
+from training.local_cluster import LocalEtcd, free_ports
 
 pytestmark = pytest.mark.timeout(240)
+MEMBER_HOST = "etcd-{}.etcd-peers.training-platform.svc.cluster.local"
 
 
-def loopback_etcd_args(data_dir: str, client: int, peer: int) -> list[str]:
-    deployment = next(o for o in RENDERED["etcd"] if o["kind"] == "Deployment")
-    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    swaps = {":2379": f":{client}", ":2380": f":{peer}", "0.0.0.0": "127.0.0.1",
-             "etcd.training-platform.svc.cluster.local": "127.0.0.1", "/var/lib/etcd": data_dir}
-    out = []
-    for arg in args:
-        for old, new in swaps.items():
-            arg = arg.replace(old, new)
-        out.append(arg)
-    return out
+def loopback_members(work) -> list[LocalEtcd]:
+    """The StatefulSet's three members, each started with the chart's args made local."""
+    members = next(o for o in RENDERED["etcd"] if o["kind"] == "StatefulSet")
+    args = members["spec"]["template"]["spec"]["containers"][0]["args"]
+    count = members["spec"]["replicas"]
+    chosen = free_ports(3 * count)
+    ports = [tuple(chosen[i::count]) for i in range(count)]
+    started = []
+    for i, (client, _, metrics) in enumerate(ports):
+        swaps = {"$(POD_NAME)": f"etcd-{i}", "$(POD_IP):2380": f"127.0.0.1:{ports[i][1]}",
+                 "0.0.0.0:2379": f"127.0.0.1:{client}", "0.0.0.0:2381": f"127.0.0.1:{metrics}",
+                 "/var/lib/etcd/data": str(work / f"etcd-{i}")}
+        for j, (other_client, other_peer, _) in enumerate(ports):
+            swaps[f"{MEMBER_HOST.format(j)}:2380"] = f"127.0.0.1:{other_peer}"
+            swaps[f"{MEMBER_HOST.format(j)}:2379"] = f"127.0.0.1:{other_client}"
+        local = []
+        for arg in args:
+            for old, new in swaps.items():
+                arg = arg.replace(old, new)
+            local.append(arg)
+        assert not [a for a in local if "svc.cluster.local" in a or "$(" in a], local
+        started.append(LocalEtcd(local, client_port=client))
+    return started
 
 
 def local_command(endpoint: str, run_id: str, work) -> list[str]:
@@ -40,7 +54,7 @@ def local_command(endpoint: str, run_id: str, work) -> list[str]:
     trainer_at = command.index("train")
     swapped = [
         part.replace("$(POD_IP)", "127.0.0.1").replace("$(PODGROUP)-v$(JOB_VERSION)", run_id)
-        .replace("etcd.training-platform.svc.cluster.local:2379", endpoint)
+        .replace(",".join(f"{MEMBER_HOST.format(i)}:2379" for i in range(3)), endpoint)
         for part in command[1:trainer_at + 1]
     ]
     swapped = [("--nproc-per-node=1" if p.startswith("--nproc-per-node=") else p) for p in swapped]
@@ -52,10 +66,14 @@ def local_command(endpoint: str, run_id: str, work) -> list[str]:
     return [sys.executable, *swapped, *tiny]
 
 
-def test_two_agents_rendezvous_through_an_etcd_started_with_the_charts_arguments(tmp_path):
-    client = free_port()
-    data_dir = tmp_path / "etcd-data"
-    with LocalEtcd(loopback_etcd_args(str(data_dir), client, free_port()), client_port=client) as endpoint:
+def test_two_agents_rendezvous_through_three_members_started_with_the_charts_arguments(tmp_path):
+    members = loopback_members(tmp_path)
+    try:
+        for member in members:
+            member.launch()
+        for member in members:
+            member.wait_ready()
+        endpoint = ",".join(member.endpoint for member in members)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         container_env = {e["name"]: e["value"] for e in container(the_job(RENDERED, "resnet50-imagenet"))["env"]
                          if "value" in e and e["name"].startswith("TORCH")}
@@ -63,9 +81,12 @@ def test_two_agents_rendezvous_through_an_etcd_started_with_the_charts_arguments
         agents = [subprocess.Popen(local_command(endpoint, "chart-test-1", tmp_path), cwd=REPO, env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
         outputs = [agent.communicate(timeout=200)[0] for agent in agents]
+    finally:
+        for member in members:
+            member.__exit__()
     assert [a.returncode for a in agents] == [0, 0], outputs[0][-3000:]
     assert container_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert next(e for e in events if e["event"] == "rendezvous")["world_size"] == 2
     assert events[-1]["event"] == "finished" and events[-1]["step"] == 4
-    assert data_dir.is_dir()  # etcd used the data dir the chart mounts
+    assert all((tmp_path / f"etcd-{i}" / "member").is_dir() for i in range(3))  # the data dirs the chart mounts

@@ -162,7 +162,8 @@ def test_the_training_job_runs_the_platform_launcher_with_its_settings():
     command = container(job)["command"]
     spec = load_job_spec(EXAMPLES / "resnet50-p4d.yaml", CONFIG)
     expected = launch_command(min_nodes=2, max_nodes=4, nproc_per_node=8,
-                              endpoint="etcd.training-platform.svc.cluster.local:2379",
+                              endpoint=",".join(f"etcd-{i}.etcd-peers.training-platform.svc.cluster.local:2379"
+                                                for i in range(3)),
                               run_id="$(PODGROUP)-v$(JOB_VERSION)", max_restarts=spec.max_restarts,
                               local_addr="$(POD_IP)", grace_period_s=TERMINATION_GRACE_SECONDS)
     assert command[:len(expected)] == expected  # built by launch_command, nothing added in between
@@ -194,22 +195,35 @@ def test_the_training_job_runs_the_platform_launcher_with_its_settings():
 def test_a_lost_pod_is_replaced_alone_and_only_total_failure_restarts_the_job():
     spec = the_job(RENDERED, "resnet50-imagenet")["spec"]
     assert spec["schedulerName"] == "volcano" and spec["queue"] == "training"
-    assert spec["plugins"] == {"svc": [], "env": []}
+    # No plugins: a RestartPod would delete and recreate their objects (killPods, v1.15.1).
+    assert "plugins" not in spec
     # Exit-code policies first (Volcano takes the first match); no PodEvicted policy, so a deleted
-    # pod is recreated alone by the controller's sync.
+    # pod is recreated alone by the controller's sync, and a SIGTERMed agent (143) asks for nothing.
     assert spec["policies"] == [{"exitCode": 78, "action": "TerminateJob"},
                                 {"exitCode": 76, "action": "TerminateJob"},
+                                {"exitCode": 77, "action": "TerminateJob"},
                                 {"exitCode": 79, "action": "RestartJob"},
+                                {"exitCode": 143, "action": "ResumeJob"},
                                 {"event": "PodFailed", "action": "RestartPod"}]
+    assert spec["maxRetry"] == 2**31 - 1  # out of reach: the agent bounds crash loops
     assert spec["minSuccess"] == 1  # done when training is, whatever pods still wait for nodes
     assert spec["ttlSecondsAfterFinished"] == 86400
-    pod = spec["tasks"][0]["template"]["spec"]
+    template = spec["tasks"][0]["template"]
+    assert template["metadata"]["annotations"] == {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+    pod = template["spec"]
     assert pod["restartPolicy"] == "Never" and pod["terminationGracePeriodSeconds"] == TERMINATION_GRACE_SECONDS
     lost = {t["key"]: t["tolerationSeconds"] for t in pod["tolerations"] if t.get("effect") == "NoExecute"}
     assert lost == {"node.kubernetes.io/not-ready": 60, "node.kubernetes.io/unreachable": 60}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
     assert volumes["fsx"]["persistentVolumeClaim"]["claimName"] == "fsx"
+
+
+def test_the_nccl_check_runs_once():
+    spec = the_job(RENDERED, "resnet50-imagenet-nccl-check")["spec"]
+    # Not 0: Volcano's mutating webhook would make it 3 (mutate_job.go patchDefaultMaxRetry).
+    assert spec["maxRetry"] == 1
+    assert spec["policies"] == [{"events": ["PodFailed", "PodEvicted"], "action": "TerminateJob"}]
 
 
 def test_the_nccl_check_requires_efa_on_all_nodes():
@@ -253,29 +267,50 @@ def test_trn1_runs_one_worker_per_neuron_core_with_its_compile_cache_on_fsx_and_
 # --- platform charts --------------------------------------------------------------------------
 
 
-def test_etcd_serves_the_v3_api_on_a_stable_service_from_system_nodes():
-    deployment = next(o for o in RENDERED["etcd"] if o["kind"] == "Deployment")
-    service = next(o for o in RENDERED["etcd"] if o["kind"] == "Service")
-    pod = deployment["spec"]["template"]["spec"]
+def etcd_object(kind: str, name: str | None = None) -> dict:
+    return next(o for o in RENDERED["etcd"] if o["kind"] == kind and name in (None, o["metadata"]["name"]))
+
+
+def test_etcd_is_three_members_on_separate_system_nodes_each_on_its_own_volume():
+    members = etcd_object("StatefulSet")
+    pod = members["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
+    assert members["spec"]["replicas"] == 3 and members["spec"]["podManagementPolicy"] == "Parallel"
+    assert members["spec"]["serviceName"] == "etcd-peers"
+    assert etcd_object("Service", "etcd-peers")["spec"]["clusterIP"] == "None"
+    assert etcd_object("Service", "etcd-peers")["spec"]["publishNotReadyAddresses"] is True
+    assert "--initial-cluster=" + ",".join(
+        f"etcd-{i}=http://etcd-{i}.etcd-peers.training-platform.svc.cluster.local:2380" for i in range(3)) in args
+    assert "--name=$(POD_NAME)" in args and "--listen-peer-urls=http://$(POD_IP):2380" in args
     # The rendezvous needs only v3 (etcd 3.6 removed v2); Raft timing that lets a lease be 1 s.
     assert not [a for a in args if "enable-v2" in a] and "--listen-client-urls=http://0.0.0.0:2379" in args
-    assert {"--heartbeat-interval=50", "--election-timeout=500"} <= set(args)
+    assert {"--heartbeat-interval=50", "--election-timeout=500", "--auto-compaction-mode=periodic"} <= set(args)
     assert pod["containers"][0]["image"].startswith("quay.io/coreos/etcd:v3.5.")
     assert pod["nodeSelector"] == {"training-platform/node-role": "system"}
-    assert {"readinessProbe", "livenessProbe"} <= set(pod["containers"][0])
-    assert pod["volumes"] == [{"name": "data", "emptyDir": {}}]
-    assert service["metadata"]["name"] == "etcd" and service["spec"]["ports"][0]["port"] == 2379
-    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti == [{"labelSelector": {"matchLabels": {"app.kubernetes.io/name": "etcd"}},
+                     "topologyKey": "kubernetes.io/hostname"}]
+    lost = {t["key"]: t["tolerationSeconds"] for t in pod["tolerations"]}
+    assert lost == {"node.kubernetes.io/not-ready": 30, "node.kubernetes.io/unreachable": 30}
+    probes = {p: pod["containers"][0][p]["httpGet"] for p in ("readinessProbe", "livenessProbe")}
+    assert probes == {"readinessProbe": {"path": "/readyz", "port": 2381},
+                      "livenessProbe": {"path": "/livez", "port": 2381}}
+    assert "--listen-metrics-urls=http://0.0.0.0:2381" in args
+    assert pod["automountServiceAccountToken"] is False
+    claim = members["spec"]["volumeClaimTemplates"][0]["spec"]
+    assert claim["storageClassName"] == "gp3" and claim["resources"]["requests"]["storage"] == "2Gi"
+    assert etcd_object("PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    service = etcd_object("Service", "etcd")
+    assert service["spec"]["ports"][0]["port"] == 2379
+    annotations = members["spec"]["template"]["metadata"]["annotations"]
     assert annotations == {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
 
 
-def test_etcd_can_keep_its_state_on_a_persistent_volume():
+def test_etcds_volume_size_comes_from_the_config():
     data = example_data()
     data["jobs"] = {"etcd": {"persistent_volume_gib": 5}}
-    objects = render(parse_config(data), [], None)["etcd"]
-    claim = next(o for o in objects if o["kind"] == "PersistentVolumeClaim")
-    assert claim["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    members = next(o for o in render(parse_config(data), [], None)["etcd"] if o["kind"] == "StatefulSet")
+    assert members["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "5Gi"
 
 
 def test_the_fsx_volume_is_bound_statically_to_the_stacks_file_system():

@@ -82,7 +82,7 @@ def test_system_nodes_carry_the_system_label_and_no_taint(example):
     system = next(p for p in props(example, "AWS::EKS::Nodegroup")
                   if p["Labels"].get("training-platform/node-role") == "system")
     assert "Taints" not in system and system["AmiType"] == "AL2023_x86_64_STANDARD"
-    assert (system["ScalingConfig"]["MinSize"], system["ScalingConfig"]["MaxSize"]) == (2, 4)
+    assert (system["ScalingConfig"]["MinSize"], system["ScalingConfig"]["MaxSize"]) == (3, 4)  # one node per etcd member
 
 
 def test_device_plugins_select_exactly_the_labels_and_tolerate_the_taints_the_node_groups_carry(example):
@@ -134,6 +134,8 @@ def test_add_ons_and_their_pod_identity_roles(example):
         {"operator": "Exists"}]
     cloudwatch = json.loads(addons["amazon-cloudwatch-observability"]["ConfigurationValues"])
     assert cloudwatch["agent"]["config"]["logs"]["metrics_collected"]["kubernetes"]["accelerated_compute_metrics"]
+    # NetworkPolicies (etcd's, the jobs') are enforced only with the CNI's policy agent on; a string.
+    assert json.loads(addons["vpc-cni"]["ConfigurationValues"]) == {"enableNetworkPolicy": "true"}
 
 
 def test_add_on_versions_are_pinned_from_config(synth):

@@ -115,9 +115,14 @@ def test_example_config_is_valid():
             id="desired-greater-than-max",
         ),
         pytest.param(
-            {"system_node_group.min_size": 3},
-            "system_node_group.min_size: got 3 (min_size exceeds desired_size); allowed: at most desired_size (2)",
+            {"system_node_group.min_size": 4},
+            "system_node_group.min_size: got 4 (min_size exceeds desired_size); allowed: at most desired_size (3)",
             id="system-min-greater-than-desired",
+        ),
+        pytest.param(
+            {"system_node_group.min_size": 2, "system_node_group.desired_size": 2},
+            "system_node_group.min_size: got 2 (etcd's 3 members each need a system node of their own); allowed: at least 3",
+            id="system-too-small-for-etcds-three-members",
         ),
         pytest.param(
             {"accelerated_node_groups.1.name": "p4d"},

@@ -17,7 +17,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from training.etcd_v3 import EtcdClient, EtcdRequestError
-from training.local_cluster import ETCD_TIMING, LocalEtcd, free_port
+from training.etcd_cluster import ETCD_TIMING
+from training.local_cluster import LocalEtcd, free_port
 
 pytestmark = pytest.mark.timeout(60)
 

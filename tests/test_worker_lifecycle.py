@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from training.launch import EXIT_RESTART_JOB
+from training.launch import EXIT_CRASH_LOOP
 from training.local_cluster import Agent, read_events, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -86,16 +86,18 @@ def test_crashes_after_progress_do_not_spend_the_restart_budget(tmp_path, etcd_m
     assert events(tmp_path, "finished")[-1]["step"] == 3000
 
 
-def test_a_crash_loop_still_runs_out_of_restarts(tmp_path, etcd_module):
+def test_a_crash_loop_runs_out_of_restarts_and_ends_the_job(tmp_path, etcd_module):
+    # No checkpoint since the agent started: a fresh incarnation would fail the same way, so the
+    # agent asks the controller to end the job (EXIT_CRASH_LOOP -> TerminateJob), not restart it.
     agent = Agent("solo", etcd_module, "budget-loop", tmp_path, budget_args(tmp_path, 100_000), max_nodes=1,
                   max_restarts=2)
     try:
-        assert agent.crash_loop(timeout=120) == EXIT_RESTART_JOB
+        assert agent.crash_loop(timeout=120) == EXIT_CRASH_LOOP
     finally:
         agent.stop()
     output = agent.output()
     assert "does not count against --max-restarts" not in output
-    assert "workers failed and --max-restarts is spent" in output
+    assert "--max-restarts is spent with no checkpoint since this agent started" in output
     assert output.count("failed (exitcode: -9)") == 3  # two restarts, then it gave up
 
 

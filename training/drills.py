@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.local_cluster import Agent, LocalEtcd, read_events, wait_until
+from training.local_cluster import Agent, LocalEtcd, LocalEtcdCluster, read_events, wait_until
 
 GLOBAL_BATCH = 32
 INTERVAL = 25  # checkpoint interval of the drills, in steps
@@ -174,6 +174,45 @@ def etcd_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000_0
             agent.stop()
             result.outputs[agent.name] = agent.output()
         etcd.__exit__()
+    return result
+
+
+def quorum_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000_000, nodes: int = 4) -> DrillResult:
+    """``nodes`` nodes train against three etcd members while members go away as ``plan`` says.
+
+    ``plan`` items: ("leader", seconds) or ("follower", seconds): that member is SIGKILLed and
+    comes back on its data after that long, as a StatefulSet pod rescheduled onto its volume
+    does; ("wait", seconds) nothing happens. The agents are given every member's address, as
+    the pods are.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    result = DrillResult(work)
+    cluster = LocalEtcdCluster(3)
+    endpoints = cluster.__enter__()
+    agents = [Agent(f"n{i}", endpoints, "quorum-drill", work, trainer_args(work, samples), min_nodes=nodes,
+                    max_nodes=nodes, max_restarts=20) for i in range(nodes)]
+    try:
+        wait_until(lambda: len(events(work, "step")) >= 10, "training", 180, agents)
+        for kind, seconds in plan:
+            if kind == "wait":
+                time.sleep(seconds)
+                continue
+            leader = cluster.leader()
+            member = leader if kind == "leader" else next(m for m in cluster.members if m is not leader)
+            item = Disruption(f"etcd {kind} lost {seconds:.0f} s", member.stop())
+            time.sleep(seconds)
+            member.start()
+            item.lasted_s = time.time() - item.at
+            time.sleep(6)  # let a re-rendezvous, if any, happen before accounting
+            _account(work, item)
+            result.disruptions.append(item)
+        for agent in agents:
+            result.exit_codes[agent.name] = agent.wait(timeout=900)
+    finally:
+        for agent in agents:
+            agent.stop()
+            result.outputs[agent.name] = agent.output()
+        cluster.__exit__()
     return result
 
 

@@ -40,8 +40,14 @@ LAUNCHER_MODULE = "training.launch"
 # Exit statuses, which the agent and the job controller's policies act on (k8s_charts/job_charts.py).
 EXIT_MEMBERSHIP_CHANGE = 75  # a worker stopped only because a peer was told to: restart into a new round
 EXIT_DIVERGED = 76  # the loss is not finite: retrying from the last checkpoint would diverge again
+# The workers failed for good and no checkpoint was written since this agent started: a fresh
+# incarnation would start from the same checkpoint and fail the same way. The job ends.
+EXIT_CRASH_LOOP = 77
 EXIT_CONFIG = 78  # EX_CONFIG: the config, the data or the checkpoint dir is wrong; nothing retries it
-EXIT_RESTART_JOB = 79  # this incarnation cannot go on (workers failed for good): restart the job afresh
+EXIT_RESTART_JOB = 79  # this incarnation cannot go on (workers failed for good after progress): restart afresh
+# The agent's own exit when the pod's SIGTERM stopped it (a drain, a Spot reclaim, a scale-down):
+# the workers checkpointed, and the controller recreates the deleted pod without counting a retry.
+EXIT_STOPPED = 128 + 15
 # A worker that exits with one of these ends the job at once: no layer retries it.
 FINAL_EXITS = (EXIT_DIVERGED, EXIT_CONFIG)
 # Seconds between the pod's SIGTERM and the end of its grace period kept for the agent itself.
@@ -356,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(f"config error: {problem}", file=sys.stderr)
             return EXIT_CONFIG
-    agent.install(_newest_checkpoint(trainer_config.checkpoint.dir) if trainer_config else lambda: None)
+    newest_checkpoint = _newest_checkpoint(trainer_config.checkpoint.dir) if trainer_config else lambda: None
+    agent.install(newest_checkpoint)
+    checkpoint_at_start = newest_checkpoint()
     os.environ.update(LAUNCH_ENVIRONMENT)
     if trainer_config is not None:
         # The packaged trainer reports its progress (the rendezvous counts training time from it)
@@ -382,7 +390,15 @@ def main(argv: list[str] | None = None) -> int:
         final = sorted({failure.exitcode for failure in exc.failures.values()} & set(FINAL_EXITS))
         if final:
             return final[0]  # the worker said why, in one line, above
-        log.error("workers failed and --max-restarts is spent; asking for a fresh incarnation of the job")
+        newest = newest_checkpoint()
+        if newest is None or newest == checkpoint_at_start:
+            # Two counters, two jobs: Volcano's maxRetry is out of reach (k8s_charts/job_charts.py),
+            # so a crash loop is ended here, where progress is known.
+            log.error("workers failed and --max-restarts is spent with no checkpoint since this agent started "
+                      "(newest: %s): ending the job, a fresh incarnation would fail the same way", newest)
+            return EXIT_CRASH_LOOP
+        log.error("workers failed and --max-restarts is spent after progress (checkpoint %s, %s at the start); "
+                  "asking for a fresh incarnation of the job", newest, checkpoint_at_start)
         return EXIT_RESTART_JOB
     except RendezvousClosedError:
         # Only a job's success closes its round: this node came after the end.

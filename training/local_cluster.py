@@ -19,6 +19,7 @@ import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
+from training.etcd_cluster import etcd_arguments
 from training.launch import LAUNCH_ENVIRONMENT, PLATFORM_TUNING, RendezvousTuning, launch_command
 
 
@@ -28,32 +29,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# etcd's Raft timing: a heartbeat every 50 ms and an election after 500 ms (defaults 100 and 1000).
-# etcd grants no lease shorter than 1.5 election timeouts, rounded up to whole seconds
-# (server/etcdserver/server.go, minTTL): 1 s here instead of 2 s, so a dead node's lease ends
-# that much sooner. 50 ms is still tens of times a round trip between nodes of one Region.
-ETCD_TIMING = ["--heartbeat-interval=50", "--election-timeout=500"]
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: each is held until all are chosen, so none is handed out twice."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
-def etcd_arguments(name: str, data_dir: str, client_port: int, peer_port: int, listen_host: str = "127.0.0.1",
-                   client_host: str | None = None, peer_host: str | None = None) -> list[str]:
-    """A single-member etcd for the rendezvous (v3 API; nothing of v2 is needed).
-
-    It listens on ``listen_host`` and advertises ``client_host`` to clients (a Service name in
-    the cluster). Explicit peer URLs: two instances on one host would otherwise both take 2380.
-    """
-    client_host = client_host or listen_host
-    peer_host = peer_host or listen_host
-    return [
-        f"--name={name}",
-        f"--data-dir={data_dir}",
-        *ETCD_TIMING,
-        f"--listen-client-urls=http://{listen_host}:{client_port}",
-        f"--advertise-client-urls=http://{client_host}:{client_port}",
-        f"--listen-peer-urls=http://{listen_host}:{peer_port}",
-        f"--initial-advertise-peer-urls=http://{peer_host}:{peer_port}",
-        f"--initial-cluster={name}=http://{peer_host}:{peer_port}",
-    ]
+def single_member_arguments(name: str, data_dir: str, client_port: int, peer_port: int) -> list[str]:
+    """A one-member etcd on loopback, with the platform's flags (training/etcd_cluster.py)."""
+    return etcd_arguments(name, data_dir, peers={name: f"http://127.0.0.1:{peer_port}"},
+                          listen_client_urls=[f"http://127.0.0.1:{client_port}"],
+                          advertise_client_url=f"http://127.0.0.1:{client_port}",
+                          listen_peer_url=f"http://127.0.0.1:{peer_port}", cluster_token=name)
 
 
 def etcd_binary() -> str:
@@ -105,8 +98,11 @@ class LocalEtcd:
         if empty:
             shutil.rmtree(self.data_dir, ignore_errors=True)
             os.makedirs(self.data_dir)
-        args = self._extra or etcd_arguments("local", self.data_dir, self.client_port, self.peer_port)
-        self.proc = subprocess.Popen([etcd_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.launch()
+        return self.wait_ready(probe, context)
+
+    def wait_ready(self, probe: str | None = None, context=None) -> str:
+        """Wait until etcd reports itself healthy (a member: until its cluster has a leader)."""
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -117,6 +113,11 @@ class LocalEtcd:
                     self.proc.kill()
                     raise RuntimeError(f"etcd did not start: {self.proc.stderr.read().decode()[-2000:]}") from None
                 time.sleep(0.1)
+
+    def launch(self) -> None:
+        """Start the etcd process without waiting for it (a member of a cluster answers once it has a quorum)."""
+        args = self._extra or single_member_arguments("local", self.data_dir, self.client_port, self.peer_port)
+        self.proc = subprocess.Popen([etcd_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def stop(self) -> float:
         """SIGKILL etcd, as a lost node does; returns the time it went away."""
@@ -134,6 +135,57 @@ class LocalEtcd:
             self.proc.terminate()
             self.proc.wait(timeout=10)
         self._dir.cleanup()
+
+
+class LocalEtcdCluster:
+    """``with LocalEtcdCluster(3) as endpoints:`` real etcd members on loopback, started with the
+    chart's flags (training/etcd_cluster.py); ``endpoints`` lists every member's client address,
+    as the pods' rendezvous endpoint does. ``members[i].stop()`` / ``.start()`` take one member
+    away and bring it back on its data, as a StatefulSet pod rescheduled onto its volume does.
+    """
+
+    def __init__(self, size: int = 3):
+        chosen = free_ports(2 * size)
+        ports = list(zip(chosen[:size], chosen[size:]))
+        peers = {f"member-{i}": f"http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports)}
+        self.members: list[LocalEtcd] = []
+        for i, (client, peer) in enumerate(ports):
+            member = LocalEtcd(client_port=client)
+            member._extra = etcd_arguments(
+                f"member-{i}", member.data_dir, peers=peers, listen_client_urls=[f"http://127.0.0.1:{client}"],
+                advertise_client_url=f"http://127.0.0.1:{client}", listen_peer_url=peers[f"member-{i}"],
+                cluster_token="local-cluster")
+            self.members.append(member)
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(member.endpoint for member in self.members)
+
+    def leader(self) -> LocalEtcd:
+        """The member Raft elected leader now (from each member's own status)."""
+        for member in self.members:
+            if member.proc is None or member.proc.poll() is not None:
+                continue
+            try:
+                request = urllib.request.Request(f"http://{member.endpoint}/v3/maintenance/status", data=b"{}",
+                                                 headers={"Content-Type": "application/json"})
+                status = json.loads(urllib.request.urlopen(request, timeout=2).read())
+            except OSError:
+                continue
+            if status["leader"] == status["header"]["member_id"]:
+                return member
+        raise RuntimeError("no member of the local etcd cluster is the leader")
+
+    def __enter__(self) -> str:
+        for member in self.members:
+            member.launch()
+        for member in self.members:
+            member.wait_ready()
+        return self.endpoints
+
+    def __exit__(self, *_exc) -> None:
+        for member in self.members:
+            member.__exit__()
 
 
 # The local cluster's jobs last seconds to minutes: a node that joins a running one is admitted
