@@ -34,6 +34,9 @@ TORCH_PIN := $(shell grep -E '^torch==' training/requirements.txt)
 
 DEPLOY_STAMP := $(VENV)/.installed-deploy
 TEST_STAMP := $(VENV)/.installed-test
+# checkov's own pins conflict with the project's lock: it gets a venv of its own.
+CHECKOV_VENV := .venv-checkov
+CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
 NODE_STAMP := node_modules/.installed
 DEB_PACKAGES := etcd-server
 
@@ -55,7 +58,7 @@ benchmark: setup-test
 	$(PY) benchmarks/synth_time.py
 
 setup-deploy: $(DEPLOY_STAMP) $(NODE_STAMP)
-setup-test: $(TEST_STAMP) $(NODE_STAMP) system-packages
+setup-test: $(TEST_STAMP) $(CHECKOV_STAMP) $(NODE_STAMP) system-packages
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +72,11 @@ $(DEPLOY_STAMP): requirements.txt constraints.txt pyproject.toml | $(VENV)/bin/p
 $(TEST_STAMP): $(DEPLOY_STAMP) requirements-dev.txt training/requirements.txt constraints.txt
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
 	$(REGISTRY_ONLY) $(PY) -m pip install --quiet -r requirements-dev.txt -c constraints.txt
+	touch $@
+
+$(CHECKOV_STAMP): requirements-checkov.txt
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(REGISTRY_ONLY) $(CHECKOV_VENV)/bin/python -m pip install --quiet -r requirements-checkov.txt
 	touch $@
 
 $(NODE_STAMP): package.json package-lock.json

@@ -97,6 +97,15 @@ class ClusterCharts(Construct):
                             "tolerations": [_tolerate("nvidia.com/gpu"), _tolerate("aws.amazon.com/neuron")],
                         })
         self.volcano = self._volcano(config, props.system_nodes)
+        # Issues and renews etcd's certificates (k8s_charts/platform_charts.py, EtcdCertificatesChart).
+        # With wait: its webhook admits Certificates only once it serves. global.nodeSelector reaches
+        # the controller, webhook, cainjector and the start-up check (values.yaml, v1.20.3).
+        self.cert_manager = self._chart("CertManager", "cert-manager", "https://charts.jetstack.io",
+                                        versions.cert_manager_chart, "cert-manager", {
+                                            "crds": {"enabled": True, "keep": True},
+                                            "global": {"nodeSelector": SYSTEM_NODES},
+                                        }, wait=True)
+        self.cert_manager.node.add_dependency(props.system_nodes)
         self._autoscaler(config, props.system_nodes)
         self.device_plugin_checks = self._check_device_plugins(plugins)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from aws_cdk import Duration, RemovalPolicy, aws_s3 as s3
 from constructs import Construct
 
+from cdk_constructs.checkov import skip_check
 from cdk_constructs.nag import acknowledge
 
 
@@ -48,6 +49,11 @@ class DataBucket(Construct):
             "S1",
             "This is the access-log bucket; logging its own access would log every log delivery.",
         )
+        logs_resource = self.access_logs.node.default_child
+        skip_check(logs_resource, "CKV_AWS_18", "the access-log bucket itself: logging its access would log every "
+                   "log delivery")
+        skip_check(logs_resource, "CKV_AWS_21", "access logs expire by a lifecycle rule; versions would keep "
+                   "expired logs")
         self.bucket = s3.Bucket(
             self,
             "Bucket",

@@ -379,6 +379,8 @@ class VersionsConfig(StrictModel):
 
     etcd_image: str = "quay.io/coreos/etcd:v3.5.21"
     volcano_chart: SemVer = "1.15.1"
+    # cert-manager issues and renews etcd's certificates (https://charts.jetstack.io).
+    cert_manager_chart: SemVer = "v1.20.3"
     nvidia_device_plugin_chart: SemVer = "0.17.1"
     neuron_chart: SemVer = "1.1.2"
     # The chart version, not the plugin image's (config/versions.py says which deploys which).

@@ -11,8 +11,10 @@ from config import AcceleratedNodeGroupConfig, PlatformConfig
 from config.catalog import INSTANCE_TYPE_LABEL, NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
 from config.model import CapacityType
 from k8s_charts.job_spec import FSX_MOUNT, JobSpec
-from k8s_charts.objects import k8s_object
-from k8s_charts.platform_charts import FSX_CLAIM, TRAINER_SERVICE_ACCOUNT, etcd_endpoint
+from k8s_charts.objects import checkov_skips, k8s_object
+from k8s_charts.platform_charts import (
+    FSX_CLAIM, TRAINER_SERVICE_ACCOUNT, client_tls_volume, etcd_client_environment, etcd_endpoint,
+)
 from training.launch import (
     EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, LAUNCH_ENVIRONMENT, PLATFORM_TUNING,
     SPOT_NOTICE_ENV, TRAINER_MODULE, launch_command,
@@ -46,7 +48,28 @@ VOLCANO_MAX_RETRY = 2**31 - 1
 # for consolidation (a training pod on a half-used node would otherwise be evicted to pack nodes).
 SAFE_TO_EVICT = {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
 # The trainer images' user (training/docker/Dockerfile.*): the pods run as it, never as root.
-TRAINER_UID = 1000
+# Above 10000, so it matches no user of the node's own.
+TRAINER_UID = 10001
+
+
+# checkov findings the training and NCCL-check pods accept, each for its reason (tests/test_checkov.py).
+PINNED_IMAGE_SKIPS = {
+    "CKV_K8S_43": "images are pinned by tag or by digest (the job spec accepts both); a digest is not required",
+    "CKV_K8S_15": "images are pinned; pulling Always would make every pod restart depend on the registry",
+}
+WORKER_SKIPS = {
+    **PINNED_IMAGE_SKIPS,
+    "CKV_K8S_11": "no CPU limit: CFS quotas throttle the data loaders; the request reserves the pod's share of "
+                  "the node",
+    "CKV_K8S_8": "a batch worker serves nothing to probe: the agent and the rendezvous notice a dead or hung worker",
+    "CKV_K8S_9": "a batch worker serves nothing to probe: the agent and the rendezvous notice a dead or hung worker",
+    "CKV_K8S_22": "torch, Triton, NCCL and the Neuron runtime write temporary files and caches under the image's "
+                  "paths",
+}
+WRITABLE_DIRS_SKIPS = {
+    "CKV_K8S_25": "only the writable-dirs init container adds CHOWN, DAC_OVERRIDE and FOWNER, to hand the job's "
+                  "root-owned directories on FSx to the trainer user",
+}
 
 
 def job_policies() -> list[dict]:
@@ -197,10 +220,12 @@ class _VolcanoJobChart(Chart):
         resources = pod_resources(spec, config)
         memory_gib = int(resources["requests"]["memory"].removesuffix("Gi"))
         volumes, mounts = _shared_volumes(memory_gib)
+        tls_volume, tls_mount = client_tls_volume()  # the rendezvous is mutual TLS
         efa = spec.efa_devices(config) > 0
         env = {**nccl_environment(efa, rdma=instance.accelerator_model in ("A100", "H100", "H200", "Trainium",
                                                                            "Trainium2")),
-               **cache_environment(spec, config), **LAUNCH_ENVIRONMENT, "OMP_NUM_THREADS": "1",
+               **cache_environment(spec, config), **LAUNCH_ENVIRONMENT, **etcd_client_environment(),
+               "OMP_NUM_THREADS": "1",
                **spot_environment(group), **(extra_env or {}), **spec.env}
         labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "training-platform"}
         pod_security, container_security = restricted_pod_security()
@@ -211,7 +236,7 @@ class _VolcanoJobChart(Chart):
             "command": pod_command(spec, config, trainer),
             "env": _downward_env() + _env(env),
             "resources": resources,
-            "volumeMounts": mounts,
+            "volumeMounts": [*mounts, tls_mount],
             # No capability: EFA, NVIDIA and Neuron device files are opened through the device
             # plugins' cgroup grants, and EFA's pinned memory is bounded by the node's memlock
             # limit, not by CAP_IPC_LOCK (the same holds for root in a container, which has no
@@ -219,8 +244,10 @@ class _VolcanoJobChart(Chart):
             "securityContext": container_security,
         }
         init_containers = [writable_dirs_container(spec.image, writable_dirs, mounts)] if writable_dirs else []
+        skips = {**WORKER_SKIPS, **(WRITABLE_DIRS_SKIPS if writable_dirs else {})}
         k8s_object(self, "job", api_version="batch.volcano.sh/v1alpha1", kind="Job",
-                  metadata={"name": name, "namespace": config.jobs.namespace, "labels": labels},
+                  metadata={"name": name, "namespace": config.jobs.namespace, "labels": labels,
+                            "annotations": checkov_skips(skips)},
                   spec={
                       "schedulerName": "volcano",
                       "queue": spec.queue or config.jobs.queue.name,
@@ -259,7 +286,7 @@ class _VolcanoJobChart(Chart):
                                   ],
                                   "initContainers": init_containers,
                                   "containers": [container],
-                                  "volumes": volumes,
+                                  "volumes": [*volumes, tls_volume],
                               },
                           },
                       }],
@@ -319,10 +346,16 @@ class DataPrepChart(Chart):
                  dataset_path: str = f"{FSX_MOUNT}/datasets/imagenet", labels_file: str = "LOC_val_solution.csv"):
         super().__init__(scope, id)
         volumes, mounts = _shared_volumes(memory_gib=4)
+        root = ("it rearranges files the data repository imported as root's: root with CHOWN, DAC_OVERRIDE and "
+                "FOWNER only, every other capability dropped")
+        skips = {**PINNED_IMAGE_SKIPS, "CKV_K8S_23": root, "CKV_K8S_40": root, "CKV_K8S_25": root,
+                 "CKV_K8S_11": "no CPU limit: a one-off job on a system node, bounded by its memory limit and "
+                               "its request"}
         k8s_object(self, "job", api_version="batch/v1", kind="Job",
                   metadata={"name": "prepare-imagenet", "namespace": config.jobs.namespace,
                             "labels": {"app.kubernetes.io/name": "prepare-imagenet",
-                                       "app.kubernetes.io/part-of": "training-platform"}},
+                                       "app.kubernetes.io/part-of": "training-platform"},
+                            "annotations": checkov_skips(skips)},
                   spec={
                       "backoffLimit": 2,
                       "ttlSecondsAfterFinished": config.jobs.ttl_seconds_after_finished,
@@ -340,12 +373,12 @@ class DataPrepChart(Chart):
                               "command": ["python", "-m", TRAINER_MODULE, "prepare-imagenet", dataset_path,
                                           "--labels", f"{dataset_path}/{labels_file}"],
                               "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
-                              "volumeMounts": mounts,
+                              "volumeMounts": [*mounts, {"name": "tmp", "mountPath": "/tmp"}],
                               "securityContext": {"runAsUser": 0, "runAsNonRoot": False,
-                                                  "allowPrivilegeEscalation": False,
+                                                  "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                                   "capabilities": {"drop": ["ALL"],
                                                                    "add": ["CHOWN", "DAC_OVERRIDE", "FOWNER"]}},
                           }],
-                          "volumes": volumes,
+                          "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}],
                       }},
                   })

@@ -11,7 +11,7 @@ from config.catalog import Accelerator
 from k8s_charts.job_charts import NcclCheckChart, TrainingJobChart
 from k8s_charts.job_spec import JobSpec
 from k8s_charts.platform_charts import (
-    EtcdChart, LustreVolumeValues, NamespacesChart, SchedulingChart, StorageChart, StorageClassChart,
+    EtcdCertificatesChart, EtcdChart, LustreVolumeValues, NamespacesChart, SchedulingChart, StorageChart, StorageClassChart,
 )
 
 # The storage stack's CfnOutput keys (stacks/storage_stack.py).
@@ -21,6 +21,7 @@ _OUTPUT_KEYS = {"file_system_id": "FileSystemId", "dns_name": "FileSystemDnsName
 def render_platform(scope: Construct, config: PlatformConfig, volume: LustreVolumeValues | None) -> None:
     NamespacesChart(scope, "namespaces", config)
     StorageClassChart(scope, "storage-class", config)
+    EtcdCertificatesChart(scope, "etcd-certificates", config)
     EtcdChart(scope, "etcd", config)
     SchedulingChart(scope, "scheduling", config)
     if volume is not None:

@@ -21,7 +21,7 @@ from cdk_constructs.training_dashboard import TrainingDashboard, TrainingDashboa
 from config import PlatformConfig
 from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
 from k8s_charts.platform_charts import (
-    TRAINER_SERVICE_ACCOUNT, EtcdChart, LustreVolumeValues, NamespacesChart, PlatformCheckChart,
+    TRAINER_SERVICE_ACCOUNT, EtcdCertificatesChart, EtcdChart, LustreVolumeValues, NamespacesChart, PlatformCheckChart,
     SchedulingChart, StorageChart, StorageClassChart, platform_check_name,
 )
 from stacks.network_stack import NetworkStack
@@ -169,8 +169,11 @@ class ClusterStack(Stack):
         """etcd, the Volcano queue and the FSx volume, applied in order after what they need."""
         charts = Cdk8sApp()
         namespaces = self.cluster.add_cdk8s_chart("Namespaces", NamespacesChart(charts, "namespaces", config))
+        certificates = self.cluster.add_cdk8s_chart("EtcdCertificates",
+                                                    EtcdCertificatesChart(charts, "etcd-certificates", config))
+        certificates.node.add_dependency(namespaces, self.charts.cert_manager)  # its CRDs and webhook
         etcd = self.cluster.add_cdk8s_chart("Etcd", EtcdChart(charts, "etcd", config))
-        etcd.node.add_dependency(namespaces, self.system_nodes)
+        etcd.node.add_dependency(namespaces, self.system_nodes, certificates)
         scheduling = self.cluster.add_cdk8s_chart("Scheduling", SchedulingChart(charts, "scheduling", config))
         scheduling.node.add_dependency(self.charts.volcano)  # Volcano's CRDs are in and its webhooks serve
         storage_class = self.cluster.add_cdk8s_chart("StorageClass", StorageClassChart(charts, "storage-class", config))

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from aws_cdk import App, Environment, Tags, Validations
+from aws_cdk import App, Aspects, Environment, Tags, Validations
 from cdk_nag import AwsSolutionsChecks
 from constructs import Construct
 
+from cdk_constructs.checkov import CheckovAcknowledgements
 from config import PlatformConfig
 from stacks.batch_stack import BatchStack
 from stacks.cluster_stack import ClusterStack
@@ -94,6 +95,7 @@ def add_platform_stacks(scope: Construct, config: PlatformConfig, env: Environme
             registry=registry, storage=storage, env=env,
             description=f"{prefix}: AWS Batch multi-node parallel training on the same network, storage and image",
         )
+    Aspects.of(scope).add(CheckovAcknowledgements())
     Tags.of(scope).add("platform", prefix)
     for key, value in sorted(config.tags.items()):
         Tags.of(scope).add(key, value)

@@ -68,7 +68,8 @@ def test_manifest_snapshot(name, snapshot):
     assert yaml.safe_dump_all(RENDERED[name], sort_keys=False) == snapshot
 
 
-BUILT_IN = [o for o in all_objects(RENDERED) if "volcano.sh" not in o["apiVersion"]]
+BUILT_IN = [o for o in all_objects(RENDERED) if "volcano.sh" not in o["apiVersion"]
+            and not o["apiVersion"].startswith("cert-manager.io/")]
 
 
 @pytest.mark.parametrize("obj", BUILT_IN, ids=lambda o: f"{o['kind']}-{o['metadata']['name']}")
@@ -162,7 +163,7 @@ def test_the_training_job_runs_the_platform_launcher_with_its_settings():
     command = container(job)["command"]
     spec = load_job_spec(EXAMPLES / "resnet50-p4d.yaml", CONFIG)
     expected = launch_command(min_nodes=2, max_nodes=4, nproc_per_node=8,
-                              endpoint=",".join(f"etcd-{i}.etcd-peers.training-platform.svc.cluster.local:2379"
+                              endpoint=",".join(f"https://etcd-{i}.etcd-peers.training-platform.svc.cluster.local:2379"
                                                 for i in range(3)),
                               run_id="$(PODGROUP)-v$(JOB_VERSION)", max_restarts=spec.max_restarts,
                               local_addr="$(POD_IP)", grace_period_s=TERMINATION_GRACE_SECONDS)
@@ -274,16 +275,16 @@ def etcd_object(kind: str, name: str | None = None) -> dict:
 def test_etcd_is_three_members_on_separate_system_nodes_each_on_its_own_volume():
     members = etcd_object("StatefulSet")
     pod = members["spec"]["template"]["spec"]
-    args = pod["containers"][0]["args"]
+    args = pod["containers"][0]["command"][1:]
     assert members["spec"]["replicas"] == 3 and members["spec"]["podManagementPolicy"] == "Parallel"
     assert members["spec"]["serviceName"] == "etcd-peers"
     assert etcd_object("Service", "etcd-peers")["spec"]["clusterIP"] == "None"
     assert etcd_object("Service", "etcd-peers")["spec"]["publishNotReadyAddresses"] is True
     assert "--initial-cluster=" + ",".join(
-        f"etcd-{i}=http://etcd-{i}.etcd-peers.training-platform.svc.cluster.local:2380" for i in range(3)) in args
-    assert "--name=$(POD_NAME)" in args and "--listen-peer-urls=http://$(POD_IP):2380" in args
+        f"etcd-{i}=https://etcd-{i}.etcd-peers.training-platform.svc.cluster.local:2380" for i in range(3)) in args
+    assert "--name=$(POD_NAME)" in args and "--listen-peer-urls=https://$(POD_IP):2380" in args
     # The rendezvous needs only v3 (etcd 3.6 removed v2); Raft timing that lets a lease be 1 s.
-    assert not [a for a in args if "enable-v2" in a] and "--listen-client-urls=http://0.0.0.0:2379" in args
+    assert not [a for a in args if "enable-v2" in a] and "--listen-client-urls=https://0.0.0.0:2379" in args
     assert {"--heartbeat-interval=50", "--election-timeout=500", "--auto-compaction-mode=periodic"} <= set(args)
     assert pod["containers"][0]["image"].startswith("quay.io/coreos/etcd:v3.5.")
     assert pod["nodeSelector"] == {"training-platform/node-role": "system"}
@@ -386,7 +387,7 @@ def test_the_renderer_writes_dist_and_reports_a_bad_spec_in_one_line(tmp_path):
                         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert sorted(p.name for p in (tmp_path / "dist").glob("*.yaml")) == [
-        "etcd.yaml", "namespaces.yaml", "prepare-imagenet.yaml", "resnet50-imagenet-nccl-check.yaml",
+        "etcd-certificates.yaml", "etcd.yaml", "namespaces.yaml", "prepare-imagenet.yaml", "resnet50-imagenet-nccl-check.yaml",
         "resnet50-imagenet.yaml", "scheduling.yaml", "storage-class.yaml", "storage.yaml"]
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: j\nimage: repo.example.com/t:1\nnode_group: p5\n")
@@ -403,3 +404,56 @@ def test_kubernetes_validate_catches_a_misspelt_field():
     service["spec"]["portz"] = service["spec"].pop("ports")
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(service, f"{CONFIG.cluster.kubernetes_version}.0", strict=True)
+
+
+# --- etcd's certificates (cert-manager.io/v1, read at cert-manager v1.20.3: deploy/crds/*.yaml) --------
+
+
+def certificates() -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in RENDERED["etcd-certificates"] if o["kind"] == "Certificate"}
+
+
+def test_a_self_signed_root_makes_the_ca_whose_key_stays_in_cert_managers_namespace():
+    issuers = {o["metadata"]["name"]: o["spec"] for o in RENDERED["etcd-certificates"] if o["kind"] == "ClusterIssuer"}
+    assert issuers == {"mltrain-etcd-selfsigned": {"selfSigned": {}}, "mltrain-etcd-ca": {"ca": {"secretName": "etcd-ca"}}}
+    ca = certificates()["etcd-ca"]
+    # A ClusterIssuer of type ca reads its Secret from the cluster resource namespace, which the
+    # chart sets to its own (cert-manager).
+    assert ca["metadata"]["namespace"] == "cert-manager" and ca["spec"]["isCA"] is True
+    assert ca["spec"]["issuerRef"] == {"name": "mltrain-etcd-selfsigned", "kind": "ClusterIssuer",
+                                       "group": "cert-manager.io"}
+
+
+def test_members_and_jobs_get_certificates_with_the_usages_etcd_checks():
+    certs = certificates()
+    server, peer, client = (certs[name]["spec"] for name in ("etcd-server", "etcd-peer", "etcd-client"))
+    members = [f"etcd-{i}.etcd-peers.training-platform.svc.cluster.local" for i in range(3)]
+    # The JSON gateway dials its own member with the server certificate: it needs client auth too.
+    assert set(server["usages"]) >= {"server auth", "client auth"} and set(members) <= set(server["dnsNames"])
+    assert "etcd.training-platform.svc.cluster.local" in server["dnsNames"]
+    # A member checks that a peer's certificate names the address it connects from.
+    assert set(peer["usages"]) >= {"server auth", "client auth"} and peer["dnsNames"] == members
+    assert client["usages"] == ["digital signature", "client auth"]
+    assert certs["etcd-client"]["metadata"]["namespace"] == "training"
+    for spec in (server, peer, client):
+        assert spec["issuerRef"]["name"] == "mltrain-etcd-ca" and spec["issuerRef"]["kind"] == "ClusterIssuer"
+        assert (spec["duration"], spec["renewBefore"]) == ("2160h", "720h")
+        # Values of the CRD's enums (privateKey.algorithm, rotationPolicy; usages' KeyUsage list).
+        assert spec["privateKey"]["algorithm"] in ("RSA", "ECDSA", "Ed25519")
+        assert spec["privateKey"]["rotationPolicy"] in ("Never", "Always")
+
+
+def test_etcd_and_the_jobs_mount_the_secrets_cert_manager_writes():
+    members = next(o for o in RENDERED["etcd"] if o["kind"] == "StatefulSet")
+    secrets = {v["secret"]["secretName"] for v in members["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+    assert secrets == {certificates()["etcd-server"]["spec"]["secretName"],
+                       certificates()["etcd-peer"]["spec"]["secretName"]}
+    args = members["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert {"--client-cert-auth=true", "--peer-client-cert-auth=true",
+            "--trusted-ca-file=/etc/etcd/tls/server/ca.crt", "--peer-cert-file=/etc/etcd/tls/peer/tls.crt"} <= set(args)
+    pod = the_job(RENDERED, "resnet50-imagenet")["spec"]["tasks"][0]["template"]["spec"]
+    assert {"name": "etcd-tls", "secret": {"secretName": certificates()["etcd-client"]["spec"]["secretName"],
+                                           "defaultMode": 0o444}} in pod["volumes"]
+    env = {e["name"]: e.get("value") for e in container(the_job(RENDERED, "resnet50-imagenet"))["env"]}
+    assert env["PLATFORM_ETCD_CA_FILE"] == "/etc/platform/etcd-tls/ca.crt"
+    assert env["PLATFORM_ETCD_CERT_FILE"] == "/etc/platform/etcd-tls/tls.crt"

@@ -111,8 +111,16 @@ def test_every_helm_chart_is_pinned_to_the_configured_version(example):
         "aws-efa-k8s-device-plugin": versions.efa_device_plugin_chart,
         "volcano": versions.volcano_chart,
         "cluster-autoscaler": example.config.cluster_autoscaler_chart,
+        "cert-manager": versions.cert_manager_chart,
     }
     assert {name: chart["Version"] for name, chart in helm_charts(example).items()} == expected
+
+
+def test_cert_manager_installs_its_crds_on_system_nodes_and_comes_before_the_certificates(example):
+    chart = helm_charts(example)["cert-manager"]
+    assert values(chart) == {"crds": {"enabled": True, "keep": True},
+                      "global": {"nodeSelector": {"training-platform/node-role": "system"}}}
+    assert chart["Wait"] is True  # its webhook admits Certificates only once it serves
 
 
 def test_volcano_is_installed_without_the_enqueue_action(example):

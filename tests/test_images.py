@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from k8s_charts.job_charts import TRAINER_UID
 from tests.conftest import REPO
 
 DOCKER = REPO / "training" / "docker"
@@ -53,5 +54,11 @@ def test_the_gpu_image_carries_efa_and_runs_as_a_user():
     text = (DOCKER / "Dockerfile.gpu").read_text()
     assert re.search(r"^ARG EFA_INSTALLER_VERSION=\d+\.\d+\.\d+$", text, re.MULTILINE)
     assert "--skip-kmod" in text and "ofi-nccl" in text
-    assert re.search(r"^USER 1000$", text, re.MULTILINE)
+    assert re.search(rf"^USER {TRAINER_UID}$", text, re.MULTILINE)  # the user the pods run as
+
+
+def test_the_neuron_image_runs_as_the_same_user():
+    text = (DOCKER / "Dockerfile.neuron").read_text()
+    assert re.search(rf"^RUN useradd --uid {TRAINER_UID} ", text, re.MULTILINE)
+    assert re.search(rf"^USER {TRAINER_UID}$", text, re.MULTILINE)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from k8s_charts.job_charts import TRAINER_UID
 from tests.test_charts import RENDERED, container, the_job
 from training.launch import ETCD_CLIENT_PORT, ETCD_PEER_PORT
 
@@ -148,7 +149,7 @@ def test_every_pod_meets_its_namespaces_enforced_level_and_mounts_no_token():
 def test_training_containers_are_restricted_and_only_the_directory_setup_runs_as_root(name):
     pod = the_job(RENDERED, name)["spec"]["tasks"][0]["template"]["spec"]
     assert level_violations({**pod, "initContainers": []}, "restricted") == []
-    assert pod["securityContext"]["runAsUser"] == 1000  # the images' trainer user
+    assert pod["securityContext"]["runAsUser"] == TRAINER_UID  # the images' trainer user
     for init in pod.get("initContainers", []):
         assert init["securityContext"]["capabilities"] == {"drop": ["ALL"],
                                                           "add": ["CHOWN", "DAC_OVERRIDE", "FOWNER"]}
@@ -158,7 +159,7 @@ def test_the_job_setup_hands_the_jobs_own_directories_to_the_trainer_user():
     pod = the_job(RENDERED, "resnet50-imagenet")["spec"]["tasks"][0]["template"]["spec"]
     (init,) = pod["initContainers"]
     assert init["image"] == container(the_job(RENDERED, "resnet50-imagenet"))["image"]
-    assert init["command"][:7] == ["install", "-d", "-o", "1000", "-g", "1000", "-m"]
+    assert init["command"][:7] == ["install", "-d", "-o", str(TRAINER_UID), "-g", str(TRAINER_UID), "-m"]
     assert set(init["command"][8:]) == {"/fsx/checkpoints/resnet50-imagenet", "/fsx/staging/resnet50-imagenet",
                                         "/fsx/cache/resnet50-imagenet"}
 

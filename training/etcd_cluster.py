@@ -24,12 +24,25 @@ ETCD_TIMING = ("--heartbeat-interval=50", "--election-timeout=500")
 ETCD_COMPACTION = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=1h")
 
 
+# Where pods find the client certificate the platform issues them (a Secret of cert-manager's
+# layout: ca.crt, tls.crt, tls.key), and the environment that tells the rendezvous client so
+# (training/etcd_v3.py reads it).
+CLIENT_TLS_DIR = "/etc/platform/etcd-tls"
+
+
+def client_tls_environment(directory: str = CLIENT_TLS_DIR) -> dict[str, str]:
+    from training.etcd_v3 import ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV
+
+    return {ETCD_CA_ENV: f"{directory}/ca.crt", ETCD_CERT_ENV: f"{directory}/tls.crt",
+            ETCD_KEY_ENV: f"{directory}/tls.key"}
+
+
 @dataclass(frozen=True)
 class MemberTLS:
     """PEM files of one member: its certificate for clients, its certificate for peers, and the CA of both.
 
     Clients and peers must present a certificate of that CA (``--client-cert-auth``,
-    ``--peer-client-cert-auth``). The client certificate needs the clientAuth usage as well as
+    ``--peer-client-cert-auth``). The server certificate needs the clientAuth usage as well as
     serverAuth: etcd's JSON gateway dials the member's own gRPC server with it.
     """
 
@@ -73,8 +86,8 @@ def etcd_arguments(name: str, data_dir: str, *, peers: Mapping[str, str], listen
     if tls:
         args += [
             f"--trusted-ca-file={tls.ca_file}", f"--cert-file={tls.cert_file}", f"--key-file={tls.key_file}",
-            "--client-cert-auth",
+            "--client-cert-auth=true",
             f"--peer-trusted-ca-file={tls.ca_file}", f"--peer-cert-file={tls.peer_cert_file}",
-            f"--peer-key-file={tls.peer_key_file}", "--peer-client-cert-auth",
+            f"--peer-key-file={tls.peer_key_file}", "--peer-client-cert-auth=true",
         ]
     return args

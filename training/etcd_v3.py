@@ -113,11 +113,11 @@ class EtcdClient:
         ca_file = ca_file or os.environ.get(ETCD_CA_ENV)
         cert_file = cert_file or os.environ.get(ETCD_CERT_ENV)
         key_file = key_file or os.environ.get(ETCD_KEY_ENV)
+        self._tls_files = (ca_file, cert_file, key_file)
         self._tls: ssl.SSLContext | None = None
+        self._tls_stamp: tuple = ()
         if ca_file or any(scheme == "https" for scheme, _, _ in self._endpoints):
-            self._tls = ssl.create_default_context(cafile=ca_file)
-            if cert_file:
-                self._tls.load_cert_chain(cert_file, key_file)
+            self._tls_context()
             # With a CA file, every endpoint is TLS, whatever its spelling.
             self._endpoints = [("https", host, port) for _, host, port in self._endpoints]
         self._preferred = 0
@@ -135,6 +135,18 @@ class EtcdClient:
 
     # --- transport ------------------------------------------------------------------------
 
+    def _tls_context(self) -> ssl.SSLContext:
+        """The TLS context, built again whenever a certificate file changed: the platform renews the
+        pods' certificates in place (a Secret volume's files are swapped), and an agent outlives them."""
+        stamp = tuple((os.stat(f).st_mtime_ns, os.stat(f).st_ino) if f else None for f in self._tls_files)
+        if self._tls is None or stamp != self._tls_stamp:
+            ca_file, cert_file, key_file = self._tls_files
+            context = ssl.create_default_context(cafile=ca_file)
+            if cert_file:
+                context.load_cert_chain(cert_file, key_file)
+            self._tls, self._tls_stamp = context, stamp
+        return self._tls
+
     def _connection(self, index: int) -> http.client.HTTPConnection:
         connections = getattr(self._local, "connections", None)
         if connections is None:
@@ -143,7 +155,7 @@ class EtcdClient:
             scheme, host, port = self._endpoints[index]
             if scheme == "https":
                 connections[index] = http.client.HTTPSConnection(host, port, timeout=self.timeout_s,
-                                                                 context=self._tls)
+                                                                 context=self._tls_context())
             else:
                 connections[index] = http.client.HTTPConnection(host, port, timeout=self.timeout_s)
         return connections[index]
