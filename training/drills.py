@@ -136,6 +136,25 @@ def _account(work: Path, item: Disruption) -> None:
     item.stalled_s = _stall(work, item.at, end + 20)
 
 
+def _settle(work: Path, item: Disruption, result: DrillResult) -> None:
+    """``item`` is over: give a re-rendezvous, if any, time to happen, then account for it."""
+    item.lasted_s = time.time() - item.at
+    time.sleep(6)
+    _account(work, item)
+    result.disruptions.append(item)
+
+
+def _wait_for_exits(agents: list[Agent], result: DrillResult) -> None:
+    for agent in agents:
+        result.exit_codes[agent.name] = agent.wait(timeout=900)
+
+
+def _stop(agents: list[Agent], result: DrillResult) -> None:
+    for agent in agents:
+        agent.stop()
+        result.outputs[agent.name] = agent.output()
+
+
 def etcd_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000_000, nodes: int = 2) -> DrillResult:
     """Two nodes train while etcd goes away and comes back as ``plan`` says.
 
@@ -163,16 +182,10 @@ def etcd_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000_0
             else:
                 time.sleep(seconds)
                 continue
-            item.lasted_s = time.time() - item.at
-            time.sleep(6)  # let a re-rendezvous, if any, happen before accounting
-            _account(work, item)
-            result.disruptions.append(item)
-        for agent in agents:
-            result.exit_codes[agent.name] = agent.wait(timeout=900)
+            _settle(work, item, result)
+        _wait_for_exits(agents, result)
     finally:
-        for agent in agents:
-            agent.stop()
-            result.outputs[agent.name] = agent.output()
+        _stop(agents, result)
         etcd.__exit__()
     return result
 
@@ -202,16 +215,10 @@ def quorum_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000
             item = Disruption(f"etcd {kind} lost {seconds:.0f} s", member.stop())
             time.sleep(seconds)
             member.start()
-            item.lasted_s = time.time() - item.at
-            time.sleep(6)  # let a re-rendezvous, if any, happen before accounting
-            _account(work, item)
-            result.disruptions.append(item)
-        for agent in agents:
-            result.exit_codes[agent.name] = agent.wait(timeout=900)
+            _settle(work, item, result)
+        _wait_for_exits(agents, result)
     finally:
-        for agent in agents:
-            agent.stop()
-            result.outputs[agent.name] = agent.output()
+        _stop(agents, result)
         cluster.__exit__()
     return result
 
@@ -262,9 +269,7 @@ def incarnation_drill(work: Path, samples: int = 120_000) -> DrillResult:
             late.lasted_s = time.time() - late.at
             result.disruptions.append(late)
         finally:
-            for agent in agents:
-                agent.stop()
-                result.outputs[agent.name] = agent.output()
+            _stop(agents, result)
     return result
 
 
