@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.launch import PLATFORM_TUNING  # noqa: E402
+from training.contract import PLATFORM_TUNING  # noqa: E402
 from training.local_cluster import Agent, LocalEtcd, read_events, wait_until  # noqa: E402
 
 SETTINGS = {"platform": PLATFORM_TUNING}

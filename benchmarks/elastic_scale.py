@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from training.drills import scale_drill  # noqa: E402 - after the path insert: run as a script
-from training.launch import PLATFORM_TUNING, REGROUP_IN_PLACE_ENV  # noqa: E402
+from training.contract import PLATFORM_TUNING, REGROUP_IN_PLACE_ENV  # noqa: E402
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from cdk_constructs.efa_launch_template import EfaLaunchTemplate, EfaLaunchTempl
 from cdk_constructs.lustre import LustreVolume
 from cdk_constructs.nag import acknowledge
 from config import AcceleratedNodeGroupConfig
-from training.launch import batch_launch_command
+from training.contract import batch_launch_command
 
 FSX_MOUNT = "/fsx"
 # Batch selects the AMI; ECS_AL2023_NVIDIA is its GPU AMI for ECS (NVIDIA driver, container toolkit).

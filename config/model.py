@@ -20,7 +20,7 @@ from config.versions import (
     ADDON_VERSIONS, CLUSTER_AUTOSCALER_CHART_RANGES, CLUSTER_AUTOSCALER_CHARTS, EFA_DEVICE_PLUGIN_CHART,
     MIN_VPC_CNI_FOR_EFA_ONLY, autoscaler_minor, semver,
 )
-from training.etcd_cluster import ETCD_MEMBERS
+from training.contract import ETCD_MEMBERS
 from typed_config import FieldProblem, StrictModel
 
 # Kubernetes minor versions for which EKS and a pinned kubectl Lambda layer both exist.

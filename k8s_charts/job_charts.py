@@ -15,7 +15,7 @@ from k8s_charts.objects import checkov_skips, k8s_object
 from k8s_charts.platform_charts import (
     FSX_CLAIM, TRAINER_SERVICE_ACCOUNT, client_tls_volume, etcd_client_environment, etcd_endpoint,
 )
-from training.launch import (
+from training.contract import (
     EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, LAUNCH_ENVIRONMENT, PLATFORM_TUNING,
     SPOT_NOTICE_ENV, TRAINER_MODULE, launch_command,
 )
@@ -42,7 +42,7 @@ JOB_VERSION_ANNOTATION = "volcano.sh/job-version"
 # state/restarting.go 35-39, v1.15.1). A long job on Spot capacity that makes progress must not end
 # on a count of pods lost, so the count is set out of reach: the largest value the CRD's int32
 # field holds. Crash loops are bounded where progress is known: the agent's progress-aware
-# --max-restarts, then EXIT_CRASH_LOOP (training/launch.py).
+# --max-restarts, then EXIT_CRASH_LOOP (training/contract.py, training/launch.py).
 VOLCANO_MAX_RETRY = 2**31 - 1
 # The pod annotation cluster-autoscaler honours: it never removes a node that runs such a pod
 # for consolidation (a training pod on a half-used node would otherwise be evicted to pack nodes).
@@ -204,7 +204,7 @@ RDZV_ID = "$(PODGROUP)-v$(JOB_VERSION)"  # the kubelet expands both from the con
 
 
 def pod_command(spec: JobSpec, config: PlatformConfig, subcommand: list[str]) -> list[str]:
-    """The launcher's command for this job (training.launch.launch_command), then the subcommand's args."""
+    """The launcher's command for this job (training.contract.launch_command), then the subcommand's args."""
     command = launch_command(
         min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, nproc_per_node=spec.nproc_per_node(config),
         endpoint=etcd_endpoint(config), run_id=RDZV_ID, max_restarts=spec.max_restarts, local_addr="$(POD_IP)",

@@ -17,7 +17,7 @@ from pydantic import Field, ValidationInfo, model_validator
 from config import AcceleratedNodeGroupConfig, PlatformConfig
 from config.catalog import Accelerator
 from training.config import check_overrides
-from training.launch import PLATFORM_TUNING
+from training.contract import PLATFORM_TUNING
 from typed_config import ConfigError, FieldProblem, StrictModel, read_yaml_mapping, validate
 
 FSX_MOUNT = "/fsx"

@@ -12,9 +12,10 @@ from config import PlatformConfig
 from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE
 from k8s_charts.job_spec import FSX_MOUNT
 from k8s_charts.objects import checkov_skips, k8s_object
-from training.etcd_cluster import CLIENT_TLS_DIR, ETCD_MEMBERS, MemberTLS, client_tls_environment, etcd_arguments
-from training.etcd_v3 import ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV
-from training.launch import ETCD_CLIENT_PORT, ETCD_PEER_PORT
+from training.contract import (
+    CLIENT_TLS_DIR, ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_CLIENT_PORT, ETCD_KEY_ENV, ETCD_MEMBERS, ETCD_PEER_PORT, MemberTLS,
+    client_tls_environment, etcd_arguments,
+)
 
 ETCD_NAME = "etcd"
 # The headless Service that gives each member a stable DNS name (etcd-0.etcd-peers.<ns>.svc...).

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from aws_cdk import Duration, Environment, Stack, Stage, aws_codebuild as codebuild, pipelines
+from aws_cdk import App, Duration, Environment, Stack, Stage, Tags, aws_codebuild as codebuild, pipelines
 from constructs import Construct
 
 from cdk_constructs.nag import acknowledge
 from config import PlatformConfig
 from config.model import PipelineStageConfig
-from stacks.platform import Platform, add_platform_stacks
+from stacks.platform import Platform, add_platform_stacks, add_policy_checks, build_platform
 
 # The README's second command, then its first: nothing is synthesized from untested code.
 TEST_COMMAND = "make test"
@@ -122,3 +122,17 @@ class PipelineStack(Stack):
                 f"Resource::arn:aws:codebuild:{self.region}:{self.account}:report-group/<{logical_id}>-*",
             ]
         return findings
+
+
+def build_app(app: App, config: PlatformConfig, config_path: str) -> Platform | PipelineStack:
+    """The platform's stacks, or, with ``pipeline`` configured, the pipeline that deploys them per stage."""
+    if config.pipeline is None:
+        return build_platform(app, config)
+    pipeline = PipelineStack(
+        app, f"{config.name_prefix}-pipeline", config=config, config_path=config_path,
+        env=Environment(account=config.account, region=config.region),
+        description=f"{config.name_prefix}: CDK pipeline that tests and deploys the platform",
+    )
+    Tags.of(app).add("platform", config.name_prefix)
+    add_policy_checks(app)
+    return pipeline

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from aws_cdk import App, Aspects, Environment, Tags, Validations
 from cdk_nag import AwsSolutionsChecks
@@ -16,9 +15,6 @@ from stacks.cluster_stack import ClusterStack
 from stacks.network_stack import NetworkStack
 from stacks.registry_stack import RegistryStack
 from stacks.storage_stack import StorageStack
-
-if TYPE_CHECKING:
-    from stacks.pipeline_stack import PipelineStack
 
 
 @dataclass(frozen=True)
@@ -105,19 +101,3 @@ def add_platform_stacks(scope: Construct, config: PlatformConfig, env: Environme
 def add_policy_checks(app: App) -> None:
     """cdk-nag AwsSolutions as a validation plugin: any unacknowledged finding fails synth."""
     Validations.of(app).add_plugins(AwsSolutionsChecks(app))
-
-
-def build_app(app: App, config: PlatformConfig, config_path: str) -> Platform | "PipelineStack":
-    """The platform's stacks, or, with ``pipeline`` configured, the pipeline that deploys them per stage."""
-    if config.pipeline is None:
-        return build_platform(app, config)
-    from stacks.pipeline_stack import PipelineStack
-
-    pipeline = PipelineStack(
-        app, f"{config.name_prefix}-pipeline", config=config, config_path=config_path,
-        env=Environment(account=config.account, region=config.region),
-        description=f"{config.name_prefix}: CDK pipeline that tests and deploys the platform",
-    )
-    Tags.of(app).add("platform", config.name_prefix)
-    add_policy_checks(app)
-    return pipeline

@@ -20,8 +20,7 @@ import pytest
 from tests.conftest import REPO
 from tests.test_charts import RENDERED, container, the_job
 from tests.local_pki import platform_pki
-from training.etcd_cluster import CLIENT_TLS_DIR
-from training.etcd_v3 import TLS_ENVIRONMENT
+from training.contract import CLIENT_TLS_DIR, TLS_ENVIRONMENT
 from training.local_cluster import LocalEtcd, free_ports
 
 pytestmark = pytest.mark.timeout(240)

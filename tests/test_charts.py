@@ -20,7 +20,7 @@ from k8s_charts.job_spec import load_job_spec, parse_job_spec
 from k8s_charts.platform_charts import LustreVolumeValues
 from k8s_charts.render import manifests, render_job, render_platform
 from k8s_charts.volcano import SCHEDULER_ACTIONS, helm_values
-from training.launch import launch_command
+from training.contract import launch_command
 from tests.conftest import REPO, example_data
 from typed_config import ConfigError
 

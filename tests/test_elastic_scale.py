@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from training.drills import events, scale_drill, trainer_args
-from training.launch import PLATFORM_TUNING
+from training.contract import PLATFORM_TUNING
 from training.local_cluster import Agent, LocalEtcd, wait_until
 
 pytestmark = pytest.mark.timeout(600)

@@ -15,7 +15,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from tests.local_pki import BOTH, LOOPBACK, issue, platform_pki
-from training.etcd_cluster import ETCD_TIMING
+from training.contract import ETCD_TIMING
 from training.etcd_v3 import EtcdClient, EtcdRequestError
 from training.local_cluster import LocalEtcd, free_port
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from training.drills import INTERVAL, etcd_drill, events, every_sample_once, incarnation_drill, trainer_args
-from training.launch import EXIT_RESTART_JOB
+from training.contract import EXIT_RESTART_JOB
 from training.local_cluster import Agent, LocalEtcd, wait_until
 
 pytestmark = pytest.mark.timeout(600)

@@ -13,7 +13,7 @@ import pytest
 
 from k8s_charts.job_charts import TRAINER_UID
 from tests.test_charts import RENDERED, container, the_job
-from training.launch import ETCD_CLIENT_PORT, ETCD_PEER_PORT
+from training.contract import ETCD_CLIENT_PORT, ETCD_PEER_PORT
 
 PLATFORM, JOBS = "training-platform", "training"
 ETCD_POD = {"app.kubernetes.io/name": "etcd", "app.kubernetes.io/part-of": "training-platform"}

@@ -90,3 +90,100 @@ def test_trainctl_is_a_declared_console_command():
     command = Path(sys.executable).parent / "trainctl"
     result = subprocess.run([str(command), "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "preflight" in result.stdout and "stage-data" in result.stdout
+
+
+# --- the import graph: the contract is the only bridge ------------------------------------------
+
+PACKAGES = ("app.py", "stacks", "cdk_constructs", "k8s_charts", "training", "trainctl", "config", "typed_config")
+DEPLOY_SIDE = {"app", "stacks", "cdk_constructs", "k8s_charts", "trainctl", "config"}
+# The trainer's own config model judges a job's trainer_args before anything is rendered
+# (k8s_charts/job_spec.py): pydantic only, and read by the deploy side, never the reverse.
+TRAINER_SCHEMA = "training.config"
+# Pending the trainer's rooms (issue 34): decode imports data's crops, data and device import back lazily.
+KNOWN_CYCLES = [["training.data", "training.decode", "training.device"]]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project's modules it imports, at any depth of the file (function-level too)."""
+    import ast
+
+    modules = {}
+    for root in PACKAGES:
+        path = REPO / root
+        for file in [path] if path.is_file() else sorted(path.rglob("*.py")):
+            name = ".".join(file.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            modules[name] = file
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {name: set() for name in modules}
+    for name, file in modules.items():
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Import):
+                found = [resolve(alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found = [resolve(f"{node.module}.{alias.name}") or resolve(node.module) for alias in node.names]
+            else:
+                continue
+            graph[name] |= {target for target in found if target and target != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def test_no_import_cycle_but_the_known_one():
+    assert cycles(import_graph()) == KNOWN_CYCLES
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_platform_and_the_image_meet_only_in_the_contract():
+    graph = import_graph()
+    crossings = sorted((source, target) for source, targets in graph.items() for target in targets
+                       if (source.split(".")[0] in DEPLOY_SIDE) != (target.split(".")[0] in DEPLOY_SIDE)
+                       and "typed_config" not in (source.split(".")[0], target.split(".")[0]))
+    assert {target for _, target in crossings} <= {"training.contract", TRAINER_SCHEMA}
+    assert all(source.split(".")[0] in DEPLOY_SIDE for source, _ in crossings)  # the image imports no deploy code
+    contract = graph["training.contract"]
+    assert contract == set(), f"the contract imports {sorted(contract)}"
+
+
+def test_the_contract_loads_neither_torch_nor_cdk():
+    code = ("import sys, training.contract; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'aws_cdk', 'cdk8s', 'numpy'}))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

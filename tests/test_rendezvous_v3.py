@@ -17,7 +17,7 @@ from torch.distributed.elastic.utils.store import barrier
 
 from training.drills import etcd_metrics
 from training.etcd_v3 import EtcdClient, EtcdUnavailable, op_put, unchanged_since
-from training.launch import PLATFORM_TUNING
+from training.contract import PLATFORM_TUNING
 from training.local_cluster import LocalEtcd, free_port
 from training.rendezvous import EtcdRendezvousHandler, EtcdStore, Outage
 

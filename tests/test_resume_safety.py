@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from training.launch import EXIT_CONFIG, EXIT_DIVERGED
+from training.contract import EXIT_CONFIG, EXIT_DIVERGED
 
 pytestmark = pytest.mark.timeout(300)
 

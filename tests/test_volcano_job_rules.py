@@ -10,7 +10,7 @@ import pytest
 
 from tests.test_charts import RENDERED, the_job
 from tests.volcano_controller import ControlledJob, mutate, policy_problems
-from training.launch import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB
+from training.contract import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB
 
 SIGKILL = 137  # the OOM killer, or a kubelet past the grace period
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from training.launch import EXIT_CRASH_LOOP
+from training.contract import EXIT_CRASH_LOOP
 from training.local_cluster import Agent, read_events, wait_until
 
 pytestmark = pytest.mark.timeout(300)

@@ -110,7 +110,7 @@ class ControlledJob:
 
     def drained(self, index: int) -> None:
         """A drain: the eviction deletes the pod, its agent exits on SIGTERM, the object goes."""
-        from training.launch import EXIT_STOPPED
+        from training.contract import EXIT_STOPPED
 
         self.pod_exits(index, EXIT_STOPPED)
         if not self.finished:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from config import DEFAULT_CONFIG, ConfigError
+from training.contract import checkpoint_step
 from typed_config import exit_on_config_error
 
 CONFIG_ENV = "TRAINCTL_CONFIG"
@@ -267,7 +268,7 @@ def list_checkpoints(args, config) -> int:
     s3 = session.client("s3", region_name=config.region)
     found = []
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}{name}/"):
-        found += [obj for obj in page.get("Contents", []) if re.search(r"/step-\d{9}\.pt$", obj["Key"])]
+        found += [obj for obj in page.get("Contents", []) if checkpoint_step(obj["Key"]) is not None]
     if not found:
         print(f"no checkpoints of {name} in s3://{bucket}/{prefix}{name}/ (the file system exports them within "
               "minutes of each save)")

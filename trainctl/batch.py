@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from config import PlatformConfig
 from k8s_charts.job_spec import JobSpec
 from trainctl.errors import UserError, check_name
-from training.launch import SPOT_NOTICE_ENV, batch_launch_command
+from training.contract import SPOT_NOTICE_ENV, batch_launch_command
 
 # Batch's job states (Batch API, JobStatus); the first five are still to finish.
 ACTIVE_STATES = ("SUBMITTED", "PENDING", "RUNNABLE", "STARTING", "RUNNING")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 # Before anything slow: a worker whose agent dies while it imports torch must not train alone.
-from training.launch import EXIT_CONFIG, EXIT_DIVERGED, die_with_agent  # isort: skip
+from training.worker_guard import die_with_agent  # isort: skip
+from training.contract import EXIT_CONFIG, EXIT_DIVERGED  # isort: skip
 
 die_with_agent()
 

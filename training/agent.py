@@ -32,7 +32,7 @@ from typing import Any, Callable
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from training.launch import (
+from training.contract import (
     CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, FINAL_EXITS, REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL, WRITING_MARKER,
 )
 

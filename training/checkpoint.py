@@ -26,8 +26,9 @@ from typing import Any, Callable
 
 import torch
 
+from training.contract import CHECKPOINT_NAME, checkpoint_name
+
 log = logging.getLogger(__name__)
-CHECKPOINT_NAME = re.compile(r"^step-(\d{9})\.pt$")
 TEMPORARY_NAME = re.compile(r"^step-\d{9}\.pt\.[^/]+\.tmp$")
 # A temporary file untouched this long belongs to a writer that died (a live writer keeps
 # writing to it; the largest checkpoints take minutes, not an hour).
@@ -39,10 +40,6 @@ SLOW_WRITE_ENV = "TRAINING_FAULT_SLOW_CHECKPOINT_WRITE_S"
 
 class CheckpointError(Exception):
     """The checkpoint directory cannot be used as it is; the message is one line for the user."""
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:09d}.pt"
 
 
 def to_cpu(state: Any) -> Any:

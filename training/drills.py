@@ -308,7 +308,7 @@ def scale_drill(work: Path, agents: int, spread_s: float = 0.0, steady_s: float 
                 env: dict[str, str] | None = None) -> ScaleResult:
     """``agents`` nodes arrive (at once, or evenly over ``spread_s``), train steadily for ``steady_s``,
     then one is SIGKILLed. Every agent runs the pod's command (``python -m training.launch``)."""
-    from training.launch import PLATFORM_TUNING
+    from training.contract import PLATFORM_TUNING
 
     work.mkdir(parents=True, exist_ok=True)
     result = ScaleResult(agents, spread_s)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training.launch import (  # noqa: F401 - IMDS_ENDPOINT_ENV and SPOT_NOTICE_ENV: the names callers use
+from training.contract import (  # noqa: F401 - IMDS_ENDPOINT_ENV and SPOT_NOTICE_ENV: the names callers use
     CONTROL_DIR_ENV, IMDS_ENDPOINT_ENV, REGROUP_SIGNAL, SPOT_NOTICE_ENV,
 )
 

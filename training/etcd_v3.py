@@ -31,11 +31,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-# Environment the platform sets when etcd serves TLS (the paths of PEM files in the pod).
-ETCD_CA_ENV = "PLATFORM_ETCD_CA_FILE"
-ETCD_CERT_ENV = "PLATFORM_ETCD_CERT_FILE"
-ETCD_KEY_ENV = "PLATFORM_ETCD_KEY_FILE"
-TLS_ENVIRONMENT = (ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV)
+from training.contract import ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV, TLS_ENVIRONMENT
 
 
 class EtcdUnavailable(Exception):

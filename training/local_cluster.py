@@ -19,8 +19,8 @@ import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
-from training.etcd_cluster import etcd_arguments
-from training.launch import LAUNCH_ENVIRONMENT, PLATFORM_TUNING, RendezvousTuning, launch_command
+from training.contract import etcd_arguments
+from training.contract import LAUNCH_ENVIRONMENT, PLATFORM_TUNING, RendezvousTuning, launch_command
 
 
 def free_port() -> int:
@@ -42,7 +42,7 @@ def free_ports(count: int) -> list[int]:
 
 
 def single_member_arguments(name: str, data_dir: str, client_port: int, peer_port: int) -> list[str]:
-    """A one-member etcd on loopback, with the platform's flags (training/etcd_cluster.py)."""
+    """A one-member etcd on loopback, with the platform's flags (training/contract.py)."""
     return etcd_arguments(name, data_dir, peers={name: f"http://127.0.0.1:{peer_port}"},
                           listen_client_urls=[f"http://127.0.0.1:{client_port}"],
                           advertise_client_url=f"http://127.0.0.1:{client_port}",
@@ -139,7 +139,7 @@ class LocalEtcd:
 
 class LocalEtcdCluster:
     """``with LocalEtcdCluster(3) as endpoints:`` real etcd members on loopback, started with the
-    chart's flags (training/etcd_cluster.py); ``endpoints`` lists every member's client address,
+    chart's flags (training/contract.py); ``endpoints`` lists every member's client address,
     as the pods' rendezvous endpoint does. ``members[i].stop()`` / ``.start()`` take one member
     away and bring it back on its data, as a StatefulSet pod rescheduled onto its volume does.
     """
@@ -196,7 +196,7 @@ LOCAL_TUNING = replace(PLATFORM_TUNING, scale_up_after_s=3)
 class Agent:
     """One agent (a 'node') running ``python -m training train`` with the given overrides.
 
-    By default it runs exactly what a pod runs (:func:`training.launch.launch_command`); ``command``
+    By default it runs exactly what a pod runs (:func:`training.contract.launch_command`); ``command``
     runs another container command instead (an AWS Batch node's, with its environment in ``env``).
     """
 

@@ -64,7 +64,7 @@ from torch.distributed.elastic.rendezvous.registry import handler_registry
 from training.etcd_v3 import (
     EtcdClient, EtcdUnavailable, KeyValue, op_delete, op_put, op_range, unchanged_since,
 )
-from training.launch import PROGRESS_FILE_ENV, STOP_BUDGET_ENV, RendezvousTuning
+from training.contract import PROGRESS_FILE_ENV, STOP_BUDGET_ENV, RendezvousTuning
 
 log = logging.getLogger(__name__)
 BACKEND_NAME = "platform-etcd"

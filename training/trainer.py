@@ -30,10 +30,12 @@ from training.batch_slots import BatchSlots, slot_count
 from training.broadcast import broadcast_state
 from training.checkpoint import CheckpointError, CheckpointManager, Saved
 from training.config import TrainConfig
+from training.contract import (
+    CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, PROGRESS_FILE_ENV, STOP_BUDGET_ENV, WRITING_MARKER, checkpoint_name,
+)
 from training.data import DataError, attention_mask, build_dataset, build_loader
 from training.decode import build_decoder
 from training.device import DeviceFeed, Runtime, detect
-from training.launch import CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, PROGRESS_FILE_ENV, STOP_BUDGET_ENV, WRITING_MARKER
 from training.metrics import MetricsWriter, stdout_is_for_people, training_flops_per_sample
 from training.models import IMAGE_MODELS, build_model
 from training.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
@@ -489,7 +491,7 @@ class Trainer:
 
     def _diverged(self) -> Diverged:
         steps = self.checkpoints.steps()
-        kept = f"step-{steps[-1]:09d}.pt" if steps else "none yet"
+        kept = checkpoint_name(steps[-1]) if steps else "none yet"
         return Diverged(f"the loss is not finite at step {self.progress.step}; nothing was saved after the newest "
                         f"checkpoint ({kept}); allowed: resume with a lower optim.lr or an optim.grad_clip_norm, or "
                         "check the data")

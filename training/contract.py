@@ -1,0 +1,310 @@
+"""The contract between the platform and the code in the image: one torch-free, CDK-free module.
+
+Both sides import it and nothing else of each other. The deploy side (charts, constructs,
+trainctl) builds pod commands and environments from it; the launcher, agent, rendezvous and
+trainer read the same names. It holds:
+
+- how a training pod is launched: :func:`launch_command` (torchrun's flags, the platform's
+  rendezvous and its tuning) and the AWS Batch variant;
+- the exit statuses the job controllers act on, the environment names the launcher and the
+  trainer share, and checkpoint file names;
+- how an etcd member of the rendezvous store is started (:func:`etcd_arguments`), its ports,
+  and where pods find their client certificate.
+
+It imports nothing of the project.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+RDZV_BACKEND = "platform-etcd"
+ETCD_CLIENT_PORT = 2379
+ETCD_PEER_PORT = 2380
+# Set in every training pod. The platform-etcd rendezvous never shares an agent's TCPStore with
+# the workers (use_agent_store is false); this keeps torch's own backends from doing so too, where
+# a joining node waits forever for the master address (pytorch issues 135712 / 147064).
+LAUNCH_ENVIRONMENT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+TRAINER_MODULE = "training"
+LAUNCHER_MODULE = "training.launch"
+
+# Exit statuses, which the agent and the job controller's policies act on (k8s_charts/job_charts.py).
+EXIT_MEMBERSHIP_CHANGE = 75  # a worker stopped only because a peer was told to: restart into a new round
+EXIT_DIVERGED = 76  # the loss is not finite: retrying from the last checkpoint would diverge again
+# The workers failed for good and no checkpoint was written since this agent started: a fresh
+# incarnation would start from the same checkpoint and fail the same way. The job ends.
+EXIT_CRASH_LOOP = 77
+EXIT_CONFIG = 78  # EX_CONFIG: the config, the data or the checkpoint dir is wrong; nothing retries it
+EXIT_RESTART_JOB = 79  # this incarnation cannot go on (workers failed for good after progress): restart afresh
+# The agent's own exit when the pod's SIGTERM stopped it (a drain, a Spot reclaim, a scale-down):
+# the workers checkpointed, and the controller recreates the deleted pod without counting a retry.
+EXIT_STOPPED = 128 + 15
+# A worker that exits with one of these ends the job at once: no layer retries it.
+FINAL_EXITS = (EXIT_DIVERGED, EXIT_CONFIG)
+# Seconds between the pod's SIGTERM and the end of its grace period kept for the agent itself.
+SHUTDOWN_MARGIN_S = 15
+# Environment the launcher and the charts give the trainer.
+STOP_BUDGET_ENV = "PLATFORM_STOP_BUDGET_S"  # seconds a SIGTERM leaves the workers before SIGKILL
+SPOT_NOTICE_ENV = "PLATFORM_SPOT_NOTICE"  # "imds": watch for the two-minute Spot interruption notice
+IMDS_ENDPOINT_ENV = "PLATFORM_IMDS_ENDPOINT"  # the instance metadata service; tests point it at loopback
+AGENT_PID_ENV = "PLATFORM_AGENT_PID"  # the launcher's pid: a worker whose parent is not it is an orphan
+# A file the packaged trainer touches when it has trained (its first step of a round, then every report):
+# the rendezvous counts a round's training time from there before it admits waiting nodes.
+PROGRESS_FILE_ENV = "PLATFORM_PROGRESS_FILE"
+# A folder of the agent's where it and its workers meet to change rounds in place: the agent sends
+# REGROUP_SIGNAL, each worker checkpoints, leaves its process group and writes paused-<local rank>;
+# the agent joins the next round and writes membership-<local rank>.json (training/agent.py).
+CONTROL_DIR_ENV = "PLATFORM_CONTROL_DIR"
+REGROUP_SIGNAL = 10  # SIGUSR1 on Linux
+# Present in the control folder while a worker writes a checkpoint (writing-<local rank>): an agent
+# stopping workers that lost a peer waits for it to go before the SIGKILL.
+WRITING_MARKER = "writing"
+# "0": on an admission, stop and restart the workers as torchrun does, instead of regrouping in place.
+REGROUP_IN_PLACE_ENV = "PLATFORM_REGROUP_IN_PLACE"
+
+
+
+@dataclass(frozen=True)
+class RendezvousTuning:
+    """``--rdzv-conf`` of the ``platform-etcd`` rendezvous (training/rendezvous.py); chosen with
+    benchmarks/elastic_scale.py at 2 to 16 agents (README, "Elasticity at scale")."""
+
+    # Liveness: a lease renewed this often; a dead node's key goes when the lease expires. etcd
+    # raises a TTL to its minimum, 1 s with the platform's etcd flags (--heartbeat-interval=50
+    # --election-timeout=500; 2 s with etcd's defaults).
+    keep_alive_interval: float = 0.25
+    lease_ttl: float = 1
+    # A job's first round waits this long after the last arrival, so nodes starting together join together.
+    last_call_timeout: float = 2.0
+    # Nodes that arrive while a round runs are admitted together once it has trained this long.
+    scale_up_after_s: float = 30.0
+    join_timeout: int = 900  # a pod may wait this long for the minimum number of nodes
+    # etcd may be away this long (longer than a reschedule off a dead node: ~6 min with the
+    # default 300 s not-ready toleration) before an agent gives up.
+    outage_tolerance: int = 600
+    read_timeout: int = 5  # one etcd request
+
+    def conf(self) -> str:
+        return ",".join(f"{f.name}={_number(getattr(self, f.name))}" for f in fields(self))
+
+
+PLATFORM_TUNING = RendezvousTuning()
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+
+
+def torchrun_arguments(
+    *,
+    min_nodes: int,
+    max_nodes: int,
+    nproc_per_node: int,
+    endpoint: str,
+    run_id: str,
+    max_restarts: int,
+    tuning: RendezvousTuning | None = PLATFORM_TUNING,
+    local_addr: str | None = None,
+    backend: str = RDZV_BACKEND,
+) -> list[str]:
+    """The torchrun flags (without the launcher and the module) for one elastic job.
+
+    ``tuning=None`` leaves torch's defaults, for comparisons.
+    """
+    args = [
+        f"--nnodes={min_nodes}:{max_nodes}",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--rdzv-backend={backend}",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--max-restarts={max_restarts}",
+    ]
+    if tuning is not None:
+        args.append(f"--rdzv-conf={tuning.conf()}")
+    if local_addr:
+        args.append(f"--local-addr={local_addr}")
+    return args
+
+
+def launch_command(*, min_nodes: int, max_nodes: int, nproc_per_node: int, endpoint: str, run_id: str,
+                   max_restarts: int, local_addr: str | None = None, python: str = "python",
+                   grace_period_s: int | None = None, tuning: RendezvousTuning = PLATFORM_TUNING) -> list[str]:
+    """The full argv of a training pod, ending with ``-m training train``; append the trainer's overrides.
+
+    ``grace_period_s`` is the pod's termination grace period: the agent gives its workers that
+    much, less a margin for itself, between forwarding SIGTERM and SIGKILL (torchrun's default
+    is 30 s, whatever the pod allows).
+    """
+    flags = torchrun_arguments(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node,
+                               endpoint=endpoint, run_id=run_id, max_restarts=max_restarts, tuning=tuning,
+                               local_addr=local_addr)
+    flags.append("--start-method=fork")
+    if grace_period_s is not None:
+        flags.append(f"--shutdown-timeout={shutdown_timeout(grace_period_s)}")
+    return [python, "-m", LAUNCHER_MODULE, *flags, "-m", TRAINER_MODULE, "train"]
+
+
+# AWS Batch multi-node parallel jobs: a fixed number of nodes, each told its index, the count and
+# the main node's address in its environment (Batch User Guide, "Multi-node parallel jobs",
+# environment variables). The container command carries this flag; the launcher replaces it,
+# on each node, by torchrun's static rendezvous at the main node.
+BATCH_NODE_FLAG = "--aws-batch-mnp"
+BATCH_MASTER_PORT = 29500
+# Batch's container stop: SIGTERM, then SIGKILL after ECS's default stop timeout of 30 s.
+BATCH_STOP_GRACE_S = 30
+
+
+class BatchEnvironmentError(ValueError):
+    """The Batch variables are missing or wrong: the command ran outside a Batch MNP job."""
+
+
+def batch_launch_command(*, nproc_per_node: int, max_restarts: int, python: str = "python",
+                         master_port: int = BATCH_MASTER_PORT) -> list[str]:
+    """The container command of an AWS Batch multi-node parallel job, ending with ``-m training
+    train``; append the trainer's overrides. The node's place in the job is read from Batch's
+    environment when the container starts (:func:`batch_rendezvous_arguments`)."""
+    return [python, "-m", LAUNCHER_MODULE, BATCH_NODE_FLAG, f"--nproc-per-node={nproc_per_node}",
+            f"--max-restarts={max_restarts}", f"--master-port={master_port}", "--start-method=fork",
+            f"--shutdown-timeout={shutdown_timeout(BATCH_STOP_GRACE_S)}", "-m", TRAINER_MODULE, "train"]
+
+
+def batch_rendezvous_arguments(environ: dict[str, str]) -> list[str]:
+    """torchrun's static rendezvous for this node of a Batch MNP job.
+
+    The main node hosts the store (node rank 0) and does not get its own address in the
+    environment (Batch sets AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS on the other nodes
+    only). Each attempt of the job is its own run: AWS_BATCH_JOB_ID is ``<job>#<node>`` on a node.
+    """
+    try:
+        index = int(environ["AWS_BATCH_JOB_NODE_INDEX"])
+        nodes = int(environ["AWS_BATCH_JOB_NUM_NODES"])
+        main = int(environ.get("AWS_BATCH_JOB_MAIN_NODE_INDEX", "0"))
+        job = environ["AWS_BATCH_JOB_ID"].split("#")[0]
+    except (KeyError, ValueError) as exc:
+        raise BatchEnvironmentError(f"{BATCH_NODE_FLAG}: AWS Batch's job variables are missing or invalid "
+                                    f"({exc}); allowed: inside an AWS Batch multi-node parallel job") from None
+    address = "127.0.0.1" if index == main else environ.get("AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS")
+    if not address:
+        raise BatchEnvironmentError(f"{BATCH_NODE_FLAG}: node {index} has no AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_"
+                                    "ADDRESS; allowed: inside an AWS Batch multi-node parallel job")
+    attempt = environ.get("AWS_BATCH_JOB_ATTEMPT", "1")
+    return [f"--nnodes={nodes}", f"--node-rank={(index - main) % nodes}", "--rdzv-backend=static",
+            f"--master-addr={address}", f"--rdzv-id={job}-{attempt}"]
+
+
+def shutdown_timeout(grace_period_s: int) -> int:
+    """Seconds the workers get to checkpoint after SIGTERM, inside the pod's grace period."""
+    if grace_period_s <= SHUTDOWN_MARGIN_S:
+        raise ValueError(f"a grace period of {grace_period_s} s leaves no time to checkpoint; allowed: more than "
+                         f"{SHUTDOWN_MARGIN_S} s")
+    return grace_period_s - SHUTDOWN_MARGIN_S
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+# One file per checkpoint, named by its step; the trainer writes and reads them, the agent counts
+# progress by them, trainctl finds them in S3.
+CHECKPOINT_NAME = re.compile(r"^step-(\d{9})\.pt$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:09d}.pt"
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint file's name (a basename or a path), None when it is not one."""
+    found = CHECKPOINT_NAME.match(name.rsplit("/", 1)[-1])
+    return int(found.group(1)) if found else None
+
+
+# --- etcd, the rendezvous store -----------------------------------------------------------------
+
+# Members of the platform's etcd: one lost system node leaves a quorum of two, and the jobs see
+# no outage at all. The system node group keeps at least this many nodes (config/model.py).
+ETCD_MEMBERS = 3
+# etcd's Raft timing: a heartbeat every 50 ms and an election after 500 ms (defaults 100 and 1000).
+# etcd grants no lease shorter than 1.5 election timeouts, rounded up to whole seconds
+# (server/etcdserver/server.go, minTTL): 1 s here instead of 2 s, so a dead node's lease ends
+# that much sooner. 50 ms is still tens of times a round trip between nodes of one Region.
+ETCD_TIMING = ("--heartbeat-interval=50", "--election-timeout=500")
+# Old revisions are dropped after an hour: the rendezvous compares only current revisions and
+# never watches history, and without compaction the database would grow to its quota over months
+# and turn read-only (etcd's NOSPACE alarm).
+ETCD_COMPACTION = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=1h")
+
+
+# Where pods find the client certificate the platform issues them (a Secret of cert-manager's
+# layout: ca.crt, tls.crt, tls.key), and the environment that tells the rendezvous client so
+# (training/etcd_v3.py reads it).
+CLIENT_TLS_DIR = "/etc/platform/etcd-tls"
+
+
+# Environment the platform sets when etcd serves TLS (the paths of PEM files in the pod).
+ETCD_CA_ENV = "PLATFORM_ETCD_CA_FILE"
+ETCD_CERT_ENV = "PLATFORM_ETCD_CERT_FILE"
+ETCD_KEY_ENV = "PLATFORM_ETCD_KEY_FILE"
+TLS_ENVIRONMENT = (ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV)
+
+
+def client_tls_environment(directory: str = CLIENT_TLS_DIR) -> dict[str, str]:
+    return {ETCD_CA_ENV: f"{directory}/ca.crt", ETCD_CERT_ENV: f"{directory}/tls.crt",
+            ETCD_KEY_ENV: f"{directory}/tls.key"}
+
+
+@dataclass(frozen=True)
+class MemberTLS:
+    """PEM files of one member: its certificate for clients, its certificate for peers, and the CA of both.
+
+    Clients and peers must present a certificate of that CA (``--client-cert-auth``,
+    ``--peer-client-cert-auth``). The server certificate needs the clientAuth usage as well as
+    serverAuth: etcd's JSON gateway dials the member's own gRPC server with it.
+    """
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+    peer_cert_file: str
+    peer_key_file: str
+
+
+def etcd_arguments(name: str, data_dir: str, *, peers: Mapping[str, str], listen_client_urls: Sequence[str],
+                   advertise_client_url: str, listen_peer_url: str, cluster_token: str,
+                   advertise_peer_url: str | None = None, tls: MemberTLS | None = None,
+                   metrics_url: str | None = None) -> list[str]:
+    """Flags of member ``name`` of the cluster ``peers`` (member name -> its advertised peer URL).
+
+    ``--initial-cluster*`` is read only when the data dir is empty: a member restarted on its
+    data rejoins as the member it was. The URLs carry their scheme; with ``tls`` they must be
+    https. ``metrics_url`` serves /health, /livez, /readyz and /metrics without client
+    certificates, for the kubelet's probes. ``advertise_peer_url`` defaults to ``peers[name]``;
+    a chart passes both with ``$(POD_NAME)`` in them, which the kubelet expands.
+    """
+    advertise_peer_url = advertise_peer_url or peers.get(name)
+    if advertise_peer_url is None:
+        raise ValueError(f"member {name!r} is not in the cluster {sorted(peers)}")
+    args = [
+        f"--name={name}",
+        f"--data-dir={data_dir}",
+        *ETCD_TIMING,
+        *ETCD_COMPACTION,
+        f"--listen-client-urls={','.join(listen_client_urls)}",
+        f"--advertise-client-urls={advertise_client_url}",
+        f"--listen-peer-urls={listen_peer_url}",
+        f"--initial-advertise-peer-urls={advertise_peer_url}",
+        f"--initial-cluster={','.join(f'{member}={url}' for member, url in peers.items())}",
+        "--initial-cluster-state=new",
+        f"--initial-cluster-token={cluster_token}",
+    ]
+    if metrics_url:
+        args.append(f"--listen-metrics-urls={metrics_url}")
+    if tls:
+        args += [
+            f"--trusted-ca-file={tls.ca_file}", f"--cert-file={tls.cert_file}", f"--key-file={tls.key_file}",
+            "--client-cert-auth=true",
+            f"--peer-trusted-ca-file={tls.ca_file}", f"--peer-cert-file={tls.peer_cert_file}",
+            f"--peer-key-file={tls.peer_key_file}", "--peer-client-cert-auth=true",
+        ]
+    return args
