@@ -16,7 +16,8 @@ from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from training.config import load_train_config
-from training.data import Crop, ImageFolder, Keyed, apply_crop, crop_pillow_image, random_crop
+from training.data import ImageFolder, Keyed
+from training.transforms import Crop, apply_crop, crop_pillow_image, random_crop
 from training.decode import EncodedImages, PillowDecoder, build_decoder, collate, nvjpeg_available
 from training.device import DeviceFeed, detect
 from training.imagenet import natural_image
@@ -160,7 +161,7 @@ def test_nvjpeg_gives_pillows_samples_within_interpolation_tolerance(folder, sub
 
 def test_apply_crop_flips_and_resizes():
     image = torch.arange(3 * 4 * 6, dtype=torch.uint8).reshape(3, 4, 6)
-    from training.data import Crop
+    from training.transforms import Crop
 
     same = apply_crop(image, Crop(0, 0, 4, 6), 4)
     assert same.shape == (4, 4, 3)
@@ -236,7 +237,7 @@ def test_a_background_feed_starts_the_next_fetch_as_soon_as_a_batch_is_taken():
 
 
 def test_the_batched_crop_and_resize_equals_torchs_antialiased_resize_of_each_crop():
-    from training.data import Crop
+    from training.transforms import Crop
     from training.decode import resize_crops
 
     generator = torch.Generator().manual_seed(0)
@@ -277,7 +278,7 @@ def test_the_device_decoder_launches_as_many_kernels_for_64_images_as_for_8():
     """On the GPU the decoder's work after nvJPEG runs on the feed thread, beside the thread
     launching the step: kernels per image there cost training time (per-image crops and resizes
     held ``decode: device`` at 0.52-0.66 of the bare loop on an H100)."""
-    from training.data import Crop
+    from training.transforms import Crop
     from training.decode import NvjpegDecoder
 
     def kernels(n: int) -> int:

@@ -99,8 +99,6 @@ DEPLOY_SIDE = {"app", "stacks", "cdk_constructs", "k8s_charts", "trainctl", "con
 # The trainer's own config model judges a job's trainer_args before anything is rendered
 # (k8s_charts/job_spec.py): pydantic only, and read by the deploy side, never the reverse.
 TRAINER_SCHEMA = "training.config"
-# Pending the trainer's rooms (issue 34): decode imports data's crops, data and device import back lazily.
-KNOWN_CYCLES = [["training.data", "training.decode", "training.device"]]
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -163,8 +161,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
-def test_no_import_cycle_but_the_known_one():
-    assert cycles(import_graph()) == KNOWN_CYCLES
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
 
 
 def test_the_cycle_check_finds_a_cycle():

@@ -9,9 +9,10 @@ from PIL import Image
 
 from training.data import (
     CLS_ID, MASK_ID, PAD_ID, SEP_ID, DataError, ImageFolder, MaskedLMShards, SyntheticImages, attention_mask,
-    eval_transform, mask_tokens,
+    mask_tokens,
 )
 from training.sampler import SampleKey
+from training.transforms import eval_transform
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ def test_eval_transform_resizes_the_shorter_side_then_center_crops():
 
 
 def test_the_device_normalizes_uint8_nhwc_batches_into_channels_last_floats():
-    from training.data import IMAGENET_MEAN, IMAGENET_STD
+    from training.transforms import IMAGENET_MEAN, IMAGENET_STD
     from training.device import detect, move
 
     images = torch.randint(0, 256, (2, 8, 8, 3), dtype=torch.uint8)

@@ -6,29 +6,24 @@ seed, so a sample looks the same whichever rank reads it, before or after a rest
 
 from __future__ import annotations
 
-import functools
 import io
 import logging
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import torch
 from torch import Tensor
-from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from training.config import TrainConfig, masked_per_sequence
 from training.sampler import MicroBatchSampler, SampleKey
+from training.transforms import Crop, center_crop, crop_pillow_image, failure_reason, generator_for, random_crop
 
 if TYPE_CHECKING:
     from training.batch_slots import BatchSlots
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png"}
-IMAGENET_MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
-IMAGENET_STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
 # BERT's uncased WordPiece vocabulary: [PAD]=0, [CLS]=101, [SEP]=102, [MASK]=103.
 PAD_ID, CLS_ID, SEP_ID, MASK_ID = 0, 101, 102, 103
 IGNORE_LABEL = -100
@@ -43,129 +38,7 @@ class BadSample(Exception):
     """One sample that cannot be read (a corrupt image, a truncated shard): skipped, named and counted."""
 
 
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-# --- image transforms, in torch ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Crop:
-    """Where to cut one image and whether to mirror it: drawn in the loader from the sample's
-    seed, carried out by whichever decoder turns the file into pixels (:mod:`training.decode`)."""
-
-    top: int
-    left: int
-    height: int
-    width: int
-    flip: bool = False
-
-
-def random_crop(height: int, width: int, seed: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> Crop:
-    """Inception-style augmentation of an image of ``height`` x ``width``: a random area and
-    aspect ratio, and a coin flip for the mirror image.
-
-    The draws, their float32 arithmetic and the fallback after ten misses are torchvision's
-    (``RandomResizedCrop.get_params`` and ``RandomHorizontalFlip``, transforms/transforms.py,
-    v0.28.0), from a generator seeded with ``seed`` instead of the global one: the same crop as
-    torchvision's after ``torch.manual_seed(seed)`` (tests/test_device_decode.py)."""
-    generator = _generator(seed)
-    area = height * width
-    log_ratio = _log_bounds(tuple(ratio))
-    crop = None
-    for _ in range(10):
-        target = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
-        aspect = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=generator)).item()
-        w = round(math.sqrt(target * aspect))
-        h = round(math.sqrt(target / aspect))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(torch.randint(0, height - h + 1, (1,), generator=generator))
-            left = int(torch.randint(0, width - w + 1, (1,), generator=generator))
-            crop = Crop(top, left, h, w)
-            break
-    if crop is None:  # a panorama, say: the central part whose aspect ratio is within bounds
-        h, w = height, width
-        if width / height < min(ratio):
-            h = round(width / min(ratio))
-        elif width / height > max(ratio):
-            w = round(height * max(ratio))
-        crop = Crop((height - h) // 2, (width - w) // 2, h, w)
-    flip = bool(torch.rand(1, generator=generator) < 0.5)
-    return Crop(crop.top, crop.left, crop.height, crop.width, flip)
-
-
-@functools.lru_cache(maxsize=8)
-def _log_bounds(ratio: tuple[float, float]) -> tuple[float, float]:
-    """The aspect ratio's bounds as logs, in float32 as torchvision takes them."""
-    low, high = torch.log(torch.tensor(ratio)).tolist()
-    return low, high
-
-
-def center_crop(height: int, width: int, fraction: float = 0.875) -> Crop:
-    """The central square, ``fraction`` of the shorter side: resized to 224 this is the classic
-    "resize to 256, crop 224" evaluation view."""
-    side = max(1, round(min(height, width) * fraction))
-    return Crop((height - side) // 2, (width - side) // 2, side, side)
-
-
-def apply_crop(image: Tensor, crop: Crop, size: int) -> Tensor:
-    """uint8 [3, H, W] (on any device) cut to ``crop``, resized to ``size`` x ``size`` with
-    antialiasing, mirrored if the crop says so: uint8 [size, size, 3]. The tensor form of
-    :func:`crop_pillow_image`, and the reference for the device decoder's batched resize."""
-    region = image[:, crop.top : crop.top + crop.height, crop.left : crop.left + crop.width].float()
-    resized = F.interpolate(region[None], size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
-    if crop.flip:
-        resized = resized.flip(-1)
-    return resized.round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).contiguous()
-
-
-# Images leave the loader as uint8 HWC: a quarter of float32's bytes to pin and copy, and the
-# NHWC batch is already channels_last once permuted. The device converts and normalizes them
-# (:func:`normalize_on_device`).
-
-
-def eval_transform(image: Tensor, size: int) -> Tensor:
-    """The central 87.5 % square (224 of 256), resized to ``size``; uint8 HWC."""
-    return apply_crop(image, center_crop(image.shape[1], image.shape[2]), size)
-
-
-def normalize_on_device(images: Tensor) -> Tensor:
-    """uint8 [N, H, W, 3] (on the device) as normalized float [N, 3, H, W] in channels_last memory."""
-    mean, std = _normalization_constants(images.device)
-    return (images.permute(0, 3, 1, 2).float() - mean) / std
-
-
-@functools.lru_cache(maxsize=8)
-def _normalization_constants(device: torch.device) -> tuple[Tensor, Tensor]:
-    """ImageNet's mean and std (0-255 scale) on ``device``, copied there once: each copy from
-    pageable memory waits for the stream (on an H100 the feed thread waited 0.3-0.6 ms a batch)."""
-    return ((IMAGENET_MEAN * 255).to(device).view(1, 3, 1, 1), (IMAGENET_STD * 255).to(device).view(1, 3, 1, 1))
-
-
 # --- datasets ---------------------------------------------------------------------------------
-
-
-def crop_pillow_image(image, crop: Crop, size: int) -> Tensor:
-    """A Pillow image (still undecoded, if it was only opened) cut to ``crop``, resized to
-    ``size`` x ``size``, mirrored if the crop says so: uint8 [size, size, 3].
-
-    What torchvision's RandomResizedCrop does to a Pillow image: crop, then resize with the
-    antialiased bilinear filter (transforms/functional.py ``resized_crop``). Pillow's filter
-    has the same support and weights as torch's ``antialias=True`` (src/libImaging/Resample.c,
-    ``precompute_coeffs``) but works on uint8 in fixed point and rounds between its horizontal
-    and vertical passes, so a value is within one level of :func:`apply_crop`'s. A 500x375 JPEG
-    takes 2.0 ms from file to sample this way, 2.7-2.8 ms decoded to a tensor and resized in
-    float (one core, Pillow 13.0, torch 2.13).
-    """
-    from PIL import Image
-
-    rgb = image if image.mode == "RGB" else image.convert("RGB")
-    region = rgb.crop((crop.left, crop.top, crop.left + crop.width, crop.top + crop.height))
-    resized = region.resize((size, size), Image.Resampling.BILINEAR)
-    if crop.flip:
-        resized = resized.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return torch.from_numpy(np.array(resized, dtype=np.uint8))
 
 
 def decode_image(path: str | Path | BinaryIO) -> Tensor:
@@ -221,7 +94,7 @@ class ImageFolder(Dataset):
                 crop = self.crop(image.height, image.width, key.seed)
                 return crop_pillow_image(image, crop, self.image_size), label
         except Exception as exc:  # noqa: BLE001 - whatever Pillow raises for a bad file, the run goes on
-            raise BadSample(f"{path}: {_reason(exc)}") from None
+            raise BadSample(f"{path}: {failure_reason(exc)}") from None
 
     def _encoded(self, path: Path, seed: int):
         from PIL import Image
@@ -256,7 +129,7 @@ class SyntheticImages(Dataset):
 
     def __init__(self, size: int, num_classes: int, image_size: int, seed: int = 0):
         self.size, self.num_classes, self.image_size = size, num_classes, image_size
-        prototypes = torch.randn(num_classes, image_size, image_size, 3, generator=_generator(seed + 7))
+        prototypes = torch.randn(num_classes, image_size, image_size, 3, generator=generator_for(seed + 7))
         self.prototypes = prototypes.mul_(40).add_(100).round_().clamp_(0, 200).to(torch.uint8)
 
     def __len__(self) -> int:
@@ -266,7 +139,7 @@ class SyntheticImages(Dataset):
         return torch.zeros(self.image_size, self.image_size, 3, dtype=torch.uint8), 0
 
     def __getitem__(self, key: SampleKey) -> tuple[Tensor, int]:
-        generator = _generator(key.index * 7919 + 1)
+        generator = generator_for(key.index * 7919 + 1)
         label = int(torch.randint(0, self.num_classes, (1,), generator=generator))
         # Integer noise: cheap enough that a few workers feed a GPU at thousands of images a second.
         noise = torch.randint(0, 56, (self.image_size, self.image_size, 3), dtype=torch.uint8, generator=generator)
@@ -324,7 +197,7 @@ def _open_shard(path: Path, seq_len: int) -> tuple[np.ndarray, int]:
             shape, fortran, dtype = read_header(handle)
             header_bytes = handle.tell()
     except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: not a readable .npy file ({_reason(exc)}); allowed: integer token ids of shape "
+        raise DataError(f"{path}: not a readable .npy file ({failure_reason(exc)}); allowed: integer token ids of shape "
                         f"[n, {seq_len}] (data.seq_len); remove or regenerate it") from None
     if len(shape) != 2 or shape[1] != seq_len or dtype.kind not in "iu" or fortran:
         raise DataError(f"{path}: got shape {list(shape)} of {dtype}; expected integer token ids "
@@ -340,11 +213,6 @@ def _open_shard(path: Path, seq_len: int) -> tuple[np.ndarray, int]:
     return array, int(shape[0])
 
 
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
-
-
 class SyntheticTokens(MaskedLMShards):
     """Deterministic token sequences per sample id, for benchmarks."""
 
@@ -356,7 +224,7 @@ class SyntheticTokens(MaskedLMShards):
         return self.size
 
     def tokens(self, index: int) -> Tensor:
-        body = torch.randint(1000, self.vocab_size, (self.seq_len - 2,), generator=_generator(index + 1))
+        body = torch.randint(1000, self.vocab_size, (self.seq_len - 2,), generator=generator_for(index + 1))
         return torch.cat([torch.tensor([CLS_ID]), body, torch.tensor([SEP_ID])])
 
 
@@ -366,7 +234,7 @@ def mask_tokens(tokens: Tensor, seed: int, vocab_size: int, probability: float) 
     tokens), drawn among the tokens that are not [PAD], [CLS] or [SEP] (all of those, if fewer);
     of them, 80 % become [MASK], 10 % a random token, 10 % stay. A full row gets exactly the
     head's ``max_predictions``, a padded one fewer."""
-    generator = _generator(seed)
+    generator = generator_for(seed)
     padding = tokens == PAD_ID
     special = padding | (tokens == CLS_ID) | (tokens == SEP_ID)
     count = min(masked_per_sequence(int((~padding).sum()), probability), int((~special).sum()))

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.utils.data import default_collate
 
 from training.batch_slots import FilledSlot
-from training.data import Crop, _reason, crop_pillow_image
+from training.transforms import Crop, crop_pillow_image, failure_reason
 from training.device import DeviceError
 
 
@@ -111,13 +111,13 @@ class PillowDecoder:
                 with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
                     out[i] = crop_pillow_image(image, crop, size)
             except Exception as exc:  # noqa: BLE001 - whatever Pillow raises for a bad file, the run goes on
-                problems[i] = f"{batch.sources[i]}: {_reason(exc)}"
+                problems[i] = f"{batch.sources[i]}: {failure_reason(exc)}"
         return out.to(device, non_blocking=True), problems
 
 
 def resize_crops(images: list[Tensor], crops: list[Crop], size: int, pixel_budget: int = 1 << 25) -> Tensor:
     """uint8 [3, H, W] images, each cut to its crop and resized to ``size`` x ``size`` with
-    antialiasing as :func:`training.data.apply_crop` does, without the flips: float [N, 3, size, size].
+    antialiasing as :func:`training.transforms.apply_crop` does, without the flips: float [N, 3, size, size].
 
     A fixed number of kernels per chunk of images, not a few per image: the crops are gathered
     into one padded batch and resized as two batched matrix products. The weights are torch's

@@ -101,7 +101,7 @@ def move(batch: Any, runtime: Runtime, channels_last: bool) -> Any:
     if isinstance(batch, torch.Tensor):
         batch = batch.to(runtime.device, non_blocking=True)
         if batch.dim() == 4 and batch.dtype == torch.uint8:
-            from training.data import normalize_on_device
+            from training.transforms import normalize_on_device
 
             batch = normalize_on_device(batch)  # channels_last already: NHWC permuted
             return batch if channels_last else batch.contiguous()
