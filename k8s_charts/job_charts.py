@@ -13,11 +13,11 @@ from config.model import CapacityType
 from k8s_charts.job_spec import FSX_MOUNT, JobSpec
 from k8s_charts.objects import checkov_skips, k8s_object
 from k8s_charts.platform_charts import (
-    FSX_CLAIM, TRAINER_SERVICE_ACCOUNT, client_tls_volume, etcd_client_environment, etcd_endpoint,
+    FSX_CLAIM, TRAINER_SERVICE_ACCOUNT, client_tls_volume, etcd_endpoint,
 )
 from training.contract import (
     EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, LAUNCH_ENVIRONMENT, PLATFORM_TUNING,
-    SPOT_NOTICE_ENV, TRAINER_MODULE, launch_command,
+    SPOT_NOTICE_ENV, TRAINER_MODULE, client_tls_environment, launch_command,
 )
 
 # Kept free on every node for the kubelet, the OS and the platform's DaemonSets.
@@ -230,7 +230,7 @@ class _VolcanoJobChart(Chart):
         efa = spec.efa_devices(config) > 0
         env = {**nccl_environment(efa, rdma=instance.accelerator_model in ("A100", "H100", "H200", "Trainium",
                                                                            "Trainium2")),
-               **cache_environment(spec, config), **LAUNCH_ENVIRONMENT, **etcd_client_environment(),
+               **cache_environment(spec, config), **LAUNCH_ENVIRONMENT, **client_tls_environment(),
                "OMP_NUM_THREADS": "1",
                **spot_environment(group), **(extra_env or {}), **spec.env}
         labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "training-platform"}

@@ -69,10 +69,6 @@ def client_tls_volume() -> tuple[dict, dict]:
             {"name": "etcd-tls", "mountPath": CLIENT_TLS_DIR, "readOnly": True})
 
 
-def etcd_client_environment() -> dict[str, str]:
-    return client_tls_environment(CLIENT_TLS_DIR)
-
-
 def system_node_selector() -> dict[str, str]:
     return {NODE_ROLE_LABEL: SYSTEM_ROLE}
 
@@ -377,7 +373,7 @@ class PlatformCheckChart(Chart):
         super().__init__(scope, id)
         endpoint = etcd_service_endpoint(config)
         tls_volume, tls_mount = client_tls_volume()
-        tls = etcd_client_environment()
+        tls = client_tls_environment()
         k8s_object(self, "job", api_version="batch.volcano.sh/v1alpha1", kind="Job",
                    metadata=_metadata(platform_check_name(config), config.jobs.namespace),
                    spec={
