@@ -57,9 +57,15 @@ class PlatformAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._checkpoint_at_start = self._newest_checkpoint()
-        if self._control_dir is not None:  # a marker left by a worker killed mid-write is stale now
-            for marker in self._control_dir.glob(f"{WRITING_MARKER}-*"):
-                marker.unlink(missing_ok=True)
+        if self._control_dir is not None:
+            # New processes count their in-place rounds from zero: so does this agent, and what the
+            # old ones left (a write marker of a worker killed mid-write, their pause and membership
+            # files) is stale. A generation carried over made the next regroup wait its whole stop
+            # budget for a pause numbered one the new workers never reach, then restart them.
+            self._generation = 0
+            for pattern in (f"{WRITING_MARKER}-*", "paused-*", "membership-*"):
+                for stale in self._control_dir.glob(pattern):
+                    stale.unlink(missing_ok=True)
         return super()._start_workers(worker_group)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
