@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from training.config import CheckpointSection, load_train_config  # noqa: E402
-from training.trainer import Trainer  # noqa: E402
+from training.loop.trainer import Trainer  # noqa: E402
 
 
 def model_args(args) -> list[str]:
@@ -98,7 +98,7 @@ def restart(args) -> None:
                 target.mkdir()
                 os.link(checkpoint, target / checkpoint.name)
                 subprocess.run(
-                    [sys.executable, "-m", "training.launch", "--standalone", f"--nproc-per-node={ranks}",
+                    [sys.executable, "-m", "training.launcher", "--standalone", f"--nproc-per-node={ranks}",
                      "--start-method=fork", "-m", "training", "train", *common, f"--metrics.jsonl_path={events}",
                      "--train.max_steps=2", f"--checkpoint.dir={target}"],
                     cwd=REPO, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

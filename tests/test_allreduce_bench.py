@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from training.allreduce import TransportError, bus_bandwidth, check_efa, nccl_transport, sizes
+from training.diagnostics.allreduce import TransportError, bus_bandwidth, check_efa, nccl_transport, sizes
 
 # Shapes of the lines NCCL 2.2x and aws-ofi-nccl 1.x write at init with NCCL_DEBUG=INFO.
 ON_EFA = """\

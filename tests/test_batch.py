@@ -110,7 +110,7 @@ def test_each_node_runs_the_trainer_with_fsx_gpus_efa_shared_memory_and_memlock(
     assert definition["Type"] == "multinode" and definition["PlatformCapabilities"] == ["EC2"]
     (node_range,) = definition["NodeProperties"]["NodeRangeProperties"]
     container = node_range["Container"]
-    assert container["Command"][:4] == ["python", "-m", "training.launch", "--aws-batch-mnp"]
+    assert container["Command"][:4] == ["python", "-m", "training.launcher", "--aws-batch-mnp"]
     assert {"Type": "GPU", "Value": "8"} in container["ResourceRequirements"]
     devices = container["LinuxParameters"]["Devices"]
     assert [d["HostPath"] for d in devices] == [f"/dev/infiniband/uverbs{i}" for i in range(4)]
@@ -200,7 +200,7 @@ def test_submit_registers_a_revision_with_the_jobs_image_size_and_command_then_s
     container = request["nodeProperties"]["nodeRangeProperties"][0]["container"]
     assert container["image"] == SPEC.image and request["nodeProperties"]["numNodes"] == SPEC.max_nodes
     command = container["command"]
-    assert command[:4] == ["python", "-m", "training.launch", "--aws-batch-mnp"]
+    assert command[:4] == ["python", "-m", "training.launcher", "--aws-batch-mnp"]
     assert "--checkpoint.dir=/fsx/checkpoints/resnet50-imagenet" in command and "--optim.lr=0.8" in command
     job_id = jobs.submit(SPEC)
     described = aws_batch.client("batch").describe_jobs(jobs=[job_id])["jobs"][0]

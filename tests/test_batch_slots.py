@@ -11,11 +11,12 @@ import time
 import pytest
 import torch
 
-from training.batch_slots import BatchSlots, FilledSlot, slot_count
+from training.data.batch_slots import BatchSlots, FilledSlot, slot_count
 from training.config import load_train_config
-from training.data import BadSample, Keyed, build_loader
-from training.device import DeviceFeed, detect
-from training.sampler import ElasticBatchPlan, Layout, MicroBatchSampler
+from training.data.datasets import BadSample, Keyed, build_loader
+from training.data.feed import DeviceFeed
+from training.device import detect
+from training.data.sampler import ElasticBatchPlan, Layout, MicroBatchSampler
 
 
 class Noisy(torch.utils.data.Dataset):

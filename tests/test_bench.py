@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from training.bench import bare_loop
+from training.diagnostics.throughput import bare_loop
 from training.config import load_train_config
 
 

@@ -168,7 +168,7 @@ def test_the_training_job_runs_the_platform_launcher_with_its_settings():
                               run_id="$(PODGROUP)-v$(JOB_VERSION)", max_restarts=spec.max_restarts,
                               local_addr="$(POD_IP)", grace_period_s=TERMINATION_GRACE_SECONDS)
     assert command[:len(expected)] == expected  # built by launch_command, nothing added in between
-    assert command[:3] == ["python", "-m", "training.launch"] and expected[-3:] == ["-m", "training", "train"]
+    assert command[:3] == ["python", "-m", "training.launcher"] and expected[-3:] == ["-m", "training", "train"]
     assert flag(command, "nnodes") == "2:4" and job["spec"]["minAvailable"] == 2
     assert job["spec"]["tasks"][0]["replicas"] == 4
     assert flag(command, "rdzv-backend") == "platform-etcd" and flag(command, "start-method") == "fork"

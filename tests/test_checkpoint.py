@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from training.checkpoint import STALE_TEMPORARY_S, CheckpointError, CheckpointManager, _unique
+from training.loop.checkpoint import STALE_TEMPORARY_S, CheckpointError, CheckpointManager, _unique
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,7 +25,7 @@ def test_a_kill_during_a_write_leaves_the_previous_checkpoint_usable(tmp_path):
     manager.save(10, {"weights": torch.arange(4.0)})
     writer = textwrap.dedent(f"""
         import torch
-        from training.checkpoint import CheckpointManager
+        from training.loop.checkpoint import CheckpointManager
         CheckpointManager({str(directory)!r}, staging_dir={str(staging)!r}).save(
             20, {{"weights": torch.ones(96 * 2**20)}})  # 384 MiB
     """)

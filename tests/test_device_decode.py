@@ -16,12 +16,13 @@ from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from training.config import load_train_config
-from training.data import ImageFolder, Keyed
-from training.transforms import Crop, apply_crop, crop_pillow_image, random_crop
-from training.decode import EncodedImages, PillowDecoder, build_decoder, collate, nvjpeg_available
-from training.device import DeviceFeed, detect
-from training.imagenet import natural_image
-from training.sampler import SampleKey
+from training.data.datasets import ImageFolder, Keyed
+from training.data.transforms import Crop, apply_crop, crop_pillow_image, random_crop
+from training.data.decode import EncodedImages, PillowDecoder, build_decoder, collate, nvjpeg_available
+from training.data.feed import DeviceFeed
+from training.device import detect
+from training.data.imagenet import natural_image
+from training.data.sampler import SampleKey
 from tests.reference_libraries import needs_torchvision
 
 
@@ -116,7 +117,7 @@ def test_decode_settings_pick_the_decoder():
 
 
 def test_training_with_device_decode_equals_training_with_worker_decode(folder, tmp_path):
-    from training.trainer import Trainer
+    from training.loop.trainer import Trainer
 
     def run(decode: str) -> dict:
         work = tmp_path / decode
@@ -140,7 +141,7 @@ def test_training_with_device_decode_equals_training_with_worker_decode(folder, 
 @pytest.mark.skipif(not nvjpeg_available(), reason="needs CUDA and torchvision's nvJPEG (the GPU image)")
 @pytest.mark.parametrize("subsampling, mean_bound", [(0, 1.5), (2, 6.0)])
 def test_nvjpeg_gives_pillows_samples_within_interpolation_tolerance(folder, subsampling, mean_bound):
-    from training.decode import NvjpegDecoder
+    from training.data.decode import NvjpegDecoder
 
     for path in folder.glob("*/*.jpg"):  # 4:4:4, or 4:2:0 (most photographs, ImageNet's too)
         with Image.open(path) as image:
@@ -161,7 +162,7 @@ def test_nvjpeg_gives_pillows_samples_within_interpolation_tolerance(folder, sub
 
 def test_apply_crop_flips_and_resizes():
     image = torch.arange(3 * 4 * 6, dtype=torch.uint8).reshape(3, 4, 6)
-    from training.transforms import Crop
+    from training.data.transforms import Crop
 
     same = apply_crop(image, Crop(0, 0, 4, 6), 4)
     assert same.shape == (4, 4, 3)
@@ -237,8 +238,8 @@ def test_a_background_feed_starts_the_next_fetch_as_soon_as_a_batch_is_taken():
 
 
 def test_the_batched_crop_and_resize_equals_torchs_antialiased_resize_of_each_crop():
-    from training.transforms import Crop
-    from training.decode import resize_crops
+    from training.data.transforms import Crop
+    from training.data.decode import resize_crops
 
     generator = torch.Generator().manual_seed(0)
     images, crops = [], []
@@ -278,8 +279,8 @@ def test_the_device_decoder_launches_as_many_kernels_for_64_images_as_for_8():
     """On the GPU the decoder's work after nvJPEG runs on the feed thread, beside the thread
     launching the step: kernels per image there cost training time (per-image crops and resizes
     held ``decode: device`` at 0.52-0.66 of the bare loop on an H100)."""
-    from training.transforms import Crop
-    from training.decode import NvjpegDecoder
+    from training.data.transforms import Crop
+    from training.data.decode import NvjpegDecoder
 
     def kernels(n: int) -> int:
         generator = torch.Generator().manual_seed(n)
@@ -370,7 +371,7 @@ def test_the_device_decoder_with_torchvisions_own_decode_on_the_cpu_matches_pill
     """NvjpegDecoder as it is, torchvision's real decode_jpeg included, asked for the CPU: its
     calling convention (a list, ImageReadMode.RGB, CHW uint8 back), how a bad file fails the
     batched call, and the fallback to one by one and then to Pillow."""
-    from training.decode import NvjpegDecoder
+    from training.data.decode import NvjpegDecoder
 
     encoded = ImageFolder(folder, image_size=32, encoded=True)
     order = keys(len(encoded))
@@ -396,8 +397,8 @@ def test_the_device_decoder_with_torchvisions_own_decode_on_the_cpu_matches_pill
 def test_the_device_decoders_logic_matches_pillows_with_the_jpeg_decode_done_by_pillow(folder):
     """NvjpegDecoder's crops, resizes, flips and fallbacks, on the CPU: only torchvision's
     decode_jpeg is replaced (by Pillow), since its wheels need CUDA."""
-    from training.data import decode_image
-    from training.decode import NvjpegDecoder
+    from training.data.datasets import decode_image
+    from training.data.decode import NvjpegDecoder
 
     unsupported = (folder / "c1" / "2.jpg").read_bytes()  # as nvJPEG might refuse, say, a rare JPEG variant
     calls = []

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from training.checkpoint import SLOW_WRITE_ENV
-from training.local_cluster import Agent, read_events, wait_until
+from training.loop.checkpoint import SLOW_WRITE_ENV
+from training.devtools.local_cluster import Agent, read_events, wait_until
 
 pytestmark = pytest.mark.timeout(400)
 

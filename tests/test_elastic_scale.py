@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from training.drills import events, scale_drill, trainer_args
+from training.devtools.drills import events, scale_drill, trainer_args
 from training.contract import PLATFORM_TUNING
-from training.local_cluster import Agent, LocalEtcd, wait_until
+from training.devtools.local_cluster import Agent, LocalEtcd, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.local_cluster import Agent, read_events, wait_until
-from training.trainer import EXIT_MEMBERSHIP_CHANGE
+from training.devtools.local_cluster import Agent, read_events, wait_until
+from training.loop.trainer import EXIT_MEMBERSHIP_CHANGE
 
 pytestmark = pytest.mark.timeout(300)
 

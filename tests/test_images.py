@@ -38,14 +38,14 @@ def test_the_gpu_image_adds_the_torchvision_built_for_the_pinned_torch():
     (torchvision,) = [line.split("==")[1] for line in gpu if line.startswith("torchvision==")]
     torch_minor = int(PINS["torch"].split(".")[1])
     assert torchvision == f"0.{torch_minor + 15}.0"  # 0.28 goes with 2.13, 0.26 with 2.11 (each release pairs so)
-    # torchvision 0.29 deprecates the decoders data.decode=device calls (training/decode.py), in
+    # torchvision 0.29 deprecates the decoders data.decode=device calls (training/data/decode.py), in
     # favour of TorchCodec: a torch that needs 0.29 or later needs that decoder moved first.
     assert int(torchvision.split(".")[1]) < 29, "torchvision.io.decode_jpeg is deprecated from 0.29: move NvjpegDecoder to TorchCodec"
     assert "-r /tmp/requirements-gpu.txt" in (DOCKER / "Dockerfile.gpu").read_text()
 
 
 def test_the_trainer_needs_no_etcd_client_package():
-    # The rendezvous speaks etcd's v3 API with the standard library (training/etcd_v3.py), so the
+    # The rendezvous speaks etcd's v3 API with the standard library (training/launcher/etcd_v3.py), so the
     # launcher can run in an image that has torch and nothing of ours.
     assert not {"python-etcd", "etcd3gw", "etcd3", "dnspython"} & set(PINS)
 

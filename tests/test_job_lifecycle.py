@@ -1,6 +1,6 @@
 """A job lives through what a cluster does to it, with real agents and a real etcd on loopback.
 
-The drills (training/drills.py) run ``python -m training.launch`` exactly as a pod does. Each
+The drills (training/devtools/drills.py) run ``python -m training.launcher`` exactly as a pod does. Each
 test asserts that the job finishes, that every sample is trained exactly once in the counted
 steps, and what each disruption cost in steps and seconds. A node killed, a node joining and a
 node SIGTERMed are in test_elastic_training.py.
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from training.drills import INTERVAL, etcd_drill, events, every_sample_once, incarnation_drill, trainer_args
+from training.devtools.drills import INTERVAL, etcd_drill, events, every_sample_once, incarnation_drill, trainer_args
 from training.contract import EXIT_RESTART_JOB
-from training.local_cluster import Agent, LocalEtcd, wait_until
+from training.devtools.local_cluster import Agent, LocalEtcd, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 

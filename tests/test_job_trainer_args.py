@@ -90,7 +90,7 @@ def test_the_trainer_config_model_imports_without_torch():
 
 def test_a_config_error_in_the_pod_exits_with_the_status_no_layer_retries():
     from k8s_charts.job_charts import job_policies
-    from training.launch import EXIT_CONFIG, main
+    from training.launcher.main import EXIT_CONFIG, main
 
     assert {"exitCode": EXIT_CONFIG, "action": "TerminateJob"} in job_policies()
     argv = ["--nnodes=1", "--nproc-per-node=1", "-m", "training", "train", "--optim.lrr=0.1"]

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from training.config import load_train_config
-from training.elastic import LaggedAgreement
-from training.local_cluster import free_port
+from training.loop.elastic import LaggedAgreement
+from training.devtools.local_cluster import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -51,7 +51,7 @@ def test_each_steps_flags_reach_every_rank_at_the_next_step():
 
 
 def _train(rank: int, port: int, work: str, stop_at: int | None) -> None:
-    from training.trainer import Trainer
+    from training.loop.trainer import Trainer
 
     _join(rank, 2, port)
     config = load_train_config(None, [
@@ -81,7 +81,7 @@ def _train(rank: int, port: int, work: str, stop_at: int | None) -> None:
     try:
         trainer.run()
     finally:
-        dist.destroy_process_group()  # as training.trainer.train does, not in the interpreter's teardown
+        dist.destroy_process_group()  # as training.loop.trainer.train does, not in the interpreter's teardown
 
 
 def run(tmp_path: Path, stop_at: int | None) -> tuple[list[int], list[dict]]:

@@ -231,7 +231,7 @@ def test_the_mlm_head_projects_only_the_masked_positions_with_the_same_loss_and_
 def test_padding_changes_nothing_for_the_real_tokens_with_the_attention_mask():
     """Reference BERT's input_mask: a row padded to a longer batch has the loss it has alone.
     Without the mask its real tokens attend to the padding too."""
-    from training.data import PAD_ID, attention_mask
+    from training.data.datasets import PAD_ID, attention_mask
 
     torch.manual_seed(0)
     model = build_model("bert_tiny").eval()

@@ -185,3 +185,30 @@ def test_the_contract_loads_neither_torch_nor_cdk():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'aws_cdk', 'cdk8s', 'numpy'}))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+# --- the trainer's rooms --------------------------------------------------------------------------
+
+def room(module: str) -> str:
+    """training.loop.trainer -> training.loop; top-level modules (training.config) are rooms of their own."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_the_trainer_is_in_rooms_that_import_each_other_one_way():
+    graph = import_graph()
+    rooms: dict[str, set[str]] = {}
+    for source, targets in graph.items():
+        if source.startswith("training"):
+            rooms.setdefault(room(source), set()).update(room(t) for t in targets if t.startswith("training"))
+    for name, targets in rooms.items():
+        targets.discard(name)
+    assert {"training.launcher", "training.loop", "training.data", "training.models"} <= set(rooms)
+    assert cycles(rooms) == []
+
+
+def test_nothing_in_the_image_imports_the_developer_tools():
+    graph = import_graph()
+    users = sorted(source for source, targets in graph.items()
+                   if source.startswith("training") and not source.startswith("training.devtools")
+                   and any(t.startswith("training.devtools") for t in targets))
+    assert users == []

@@ -15,11 +15,11 @@ import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.utils.store import barrier
 
-from training.drills import etcd_metrics
-from training.etcd_v3 import EtcdClient, EtcdUnavailable, op_put, unchanged_since
+from training.devtools.drills import etcd_metrics
+from training.launcher.etcd_v3 import EtcdClient, EtcdUnavailable, op_put, unchanged_since
 from training.contract import PLATFORM_TUNING
-from training.local_cluster import LocalEtcd, free_port
-from training.rendezvous import EtcdRendezvousHandler, EtcdStore, Outage
+from training.devtools.local_cluster import LocalEtcd, free_port
+from training.launcher.rendezvous import EtcdRendezvousHandler, EtcdStore, Outage
 
 pytestmark = pytest.mark.timeout(120)
 

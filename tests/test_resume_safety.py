@@ -32,7 +32,7 @@ AUDITED_LAUNCH = textwrap.dedent("""
         if isinstance(path, str) and "/checkpoints/step-" in path and isinstance(mode, str) and "r" in mode:
             os.write(fd, f"{os.environ.get('RANK', '-')} {os.path.basename(path)}\\n".encode())
     sys.addaudithook(hook)
-    from training.launch import main
+    from training.launcher.main import main
     sys.exit(main(sys.argv[1:]))
 """)
 
@@ -57,7 +57,7 @@ def train(work: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
 def launch(work: Path, nproc: int, *args: str, audit: Path | None = None, max_restarts: int = 3,
            **kwargs) -> subprocess.CompletedProcess:
     """The platform launcher on one node with ``nproc`` workers, as a pod runs it."""
-    prefix = ["-c", AUDITED_LAUNCH, str(audit)] if audit else ["-m", "training.launch"]
+    prefix = ["-c", AUDITED_LAUNCH, str(audit)] if audit else ["-m", "training.launcher"]
     command = [sys.executable, *prefix, "--standalone", f"--nproc-per-node={nproc}", "--start-method=fork",
                f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "-m", "training", "train",
                *trainer_args(work, *args, **kwargs)]

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from training.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
+from training.data.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
 
 
 def run_segment(plan: ElasticBatchPlan, epoch: int, offset: int, world: int, steps: int, max_micro: int):

@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from training import elastic
-from training.trainer import STOP_BUDGET_ENV, Trainer
+from training.loop import elastic
+from training.loop.trainer import STOP_BUDGET_ENV, Trainer
 from tests.test_trainer_metrics import small_run
 
 
@@ -104,7 +104,7 @@ def test_off_ec2_or_without_the_notice_nothing_happens(tmp_path, imds, monkeypat
 
 def test_each_checkpoint_reports_its_write_time_against_the_sigterm_budget(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(STOP_BUDGET_ENV, "0.0001")  # no real write fits
-    with caplog.at_level(logging.WARNING, logger="training.trainer"):
+    with caplog.at_level(logging.WARNING, logger="training.loop.trainer"):
         Trainer(small_run(tmp_path, "--checkpoint.interval_steps=2", "--checkpoint.async_save=false")).run()
     started = next(e for e in events(tmp_path) if e["event"] == "checkpoint_started")
     saved = next(e for e in events(tmp_path) if e["event"] == "checkpoint_saved")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from training.config import load_train_config
-from training.trainer import Trainer, learning_rate
+from training.loop.trainer import Trainer, learning_rate
 
 STEP_FIELDS = {
     "step", "epoch", "loss", "lr", "samples_per_s", "samples_per_s_per_device", "step_time_s", "data_wait_pct",
@@ -77,7 +77,7 @@ def test_counting_flops_leaves_the_model_alone_and_works_at_32_px(tmp_path):
 
 def test_flops_are_counted_once_per_run_not_at_every_restart(tmp_path, monkeypatch):
     Trainer(small_run(tmp_path)).run()
-    import training.trainer as trainer_module
+    import training.loop.trainer as trainer_module
 
     def no_second_count(_config):
         raise AssertionError("counted again on resume")
@@ -149,7 +149,7 @@ def test_work_still_queued_on_the_device_is_counted(tmp_path, monkeypatch):
 def test_the_last_window_is_reported_before_the_loader_is_torn_down(tmp_path, monkeypatch):
     """Tearing down the loader's workers is not training time. Measured on an H100, it took 5-10 %
     of a 40-step window that ended after it, and made the trainer look that much slower."""
-    from training.device import DeviceFeed
+    from training.data.feed import DeviceFeed
 
     order = []
     close, report = DeviceFeed.close, Trainer._report
@@ -164,7 +164,7 @@ def test_the_last_window_is_reported_before_the_loader_is_torn_down(tmp_path, mo
 
 
 def test_an_epochs_run_reports_its_last_step_before_the_teardown_too(tmp_path, monkeypatch):
-    from training.device import DeviceFeed
+    from training.data.feed import DeviceFeed
 
     order = []
     close, report = DeviceFeed.close, Trainer._report

@@ -17,7 +17,7 @@ import time
 import yaml
 
 from tests.conftest import REPO
-from training.checkpoint import SLOW_WRITE_ENV
+from training.loop.checkpoint import SLOW_WRITE_ENV
 from training.config import TrainConfig, load_train_config
 
 PROGRESS = re.compile(r"^step (\d+)/(\d+) +(\d+\.\d)%  ETA \d+:\d\d:\d\d  [\d,]+ samples/s  loss \d+\.\d{4}")
@@ -97,7 +97,7 @@ def test_ctrl_c_checkpoints_and_stops_and_says_so(tmp_path):
 
 
 def test_a_second_ctrl_c_exits_at_once(tmp_path):
-    # A checkpoint write that takes long (the fault injection of training.checkpoint) keeps the
+    # A checkpoint write that takes long (the fault injection of training.loop.checkpoint) keeps the
     # first Ctrl-C's stop busy; the second one must not wait for it.
     process = subprocess.Popen(train_args(tmp_path, steps=100000), cwd=REPO, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True,

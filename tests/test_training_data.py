@@ -7,12 +7,12 @@ import pytest
 import torch
 from PIL import Image
 
-from training.data import (
+from training.data.datasets import (
     CLS_ID, MASK_ID, PAD_ID, SEP_ID, DataError, ImageFolder, MaskedLMShards, SyntheticImages, attention_mask,
     mask_tokens,
 )
-from training.sampler import SampleKey
-from training.transforms import eval_transform
+from training.data.sampler import SampleKey
+from training.data.transforms import eval_transform
 
 
 @pytest.fixture
@@ -43,8 +43,9 @@ def test_eval_transform_resizes_the_shorter_side_then_center_crops():
 
 
 def test_the_device_normalizes_uint8_nhwc_batches_into_channels_last_floats():
-    from training.transforms import IMAGENET_MEAN, IMAGENET_STD
-    from training.device import detect, move
+    from training.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+    from training.data.feed import move
+    from training.device import detect
 
     images = torch.randint(0, 256, (2, 8, 8, 3), dtype=torch.uint8)
     expected = (images.permute(0, 3, 1, 2).float() / 255 - IMAGENET_MEAN) / IMAGENET_STD
@@ -150,7 +151,7 @@ def test_synthetic_images_depend_only_on_the_sample_id():
 def test_the_trainer_keeps_attention_off_the_padding_of_its_shards(tmp_path, monkeypatch):
     from training.config import load_train_config
     from training.models.bert import BertForMaskedLM
-    from training.trainer import Trainer
+    from training.loop.trainer import Trainer
 
     rows = np.random.default_rng(0).integers(1000, 30000, size=(8, 16))
     rows[:4, 10:] = PAD_ID  # half the rows are short, as reference BERT makes 10 % of them

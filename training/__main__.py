@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # Before anything slow: a worker whose agent dies while it imports torch must not train alone.
-from training.worker_guard import die_with_agent  # isort: skip
+from training.loop.worker_guard import die_with_agent  # isort: skip
 from training.contract import EXIT_CONFIG, EXIT_DIVERGED  # isort: skip
 
 die_with_agent()
@@ -87,17 +87,17 @@ def _usage_status() -> int:
 
 
 def _diverged() -> tuple[type[Exception], ...]:
-    from training.trainer import Diverged
+    from training.loop.trainer import Diverged
 
     return (Diverged,)
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
-    from training.allreduce import TransportError
-    from training.checkpoint import CheckpointError
-    from training.data import DataError
+    from training.diagnostics.allreduce import TransportError
+    from training.loop.checkpoint import CheckpointError
+    from training.data.datasets import DataError
     from training.device import DeviceError
-    from training.imagenet import PrepareError
+    from training.data.imagenet import PrepareError
 
     return (CheckpointError, DataError, DeviceError, PrepareError, TransportError)
 
@@ -112,22 +112,22 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
 
             print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
             return 0
-        from training.trainer import train
+        from training.loop.trainer import train
 
         train(config)
         return 0
     if args.command == "bench":
-        from training.bench import compare_with_bare_loop
+        from training.diagnostics.throughput import compare_with_bare_loop
 
         config = load_train_config(args.config, extra)
         print(compare_with_bare_loop(config, args.steps, args.warmup_steps, args.repeats).table())
         return 0
     if args.command == "prepare-imagenet":
-        from training.imagenet import prepare_imagenet
+        from training.data.imagenet import prepare_imagenet
 
         prepare_imagenet(args.root, args.labels, args.expect_classes, args.manifest, args.verify)
         return 0
-    from training.allreduce import run_sweep
+    from training.diagnostics.allreduce import run_sweep
 
     return run_sweep(args.min_bytes, args.max_bytes, args.iterations, args.warmup, args.require_efa, args.json)
 

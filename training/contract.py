@@ -28,7 +28,7 @@ ETCD_PEER_PORT = 2380
 # a joining node waits forever for the master address (pytorch issues 135712 / 147064).
 LAUNCH_ENVIRONMENT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 TRAINER_MODULE = "training"
-LAUNCHER_MODULE = "training.launch"
+LAUNCHER_MODULE = "training.launcher"
 
 # Exit statuses, which the agent and the job controller's policies act on (k8s_charts/job_charts.py).
 EXIT_MEMBERSHIP_CHANGE = 75  # a worker stopped only because a peer was told to: restart into a new round
@@ -55,7 +55,7 @@ AGENT_PID_ENV = "PLATFORM_AGENT_PID"  # the launcher's pid: a worker whose paren
 PROGRESS_FILE_ENV = "PLATFORM_PROGRESS_FILE"
 # A folder of the agent's where it and its workers meet to change rounds in place: the agent sends
 # REGROUP_SIGNAL, each worker checkpoints, leaves its process group and writes paused-<local rank>;
-# the agent joins the next round and writes membership-<local rank>.json (training/agent.py).
+# the agent joins the next round and writes membership-<local rank>.json (training/launcher/agent.py).
 CONTROL_DIR_ENV = "PLATFORM_CONTROL_DIR"
 REGROUP_SIGNAL = 10  # SIGUSR1 on Linux
 # Present in the control folder while a worker writes a checkpoint (writing-<local rank>): an agent
@@ -68,7 +68,7 @@ REGROUP_IN_PLACE_ENV = "PLATFORM_REGROUP_IN_PLACE"
 
 @dataclass(frozen=True)
 class RendezvousTuning:
-    """``--rdzv-conf`` of the ``platform-etcd`` rendezvous (training/rendezvous.py); chosen with
+    """``--rdzv-conf`` of the ``platform-etcd`` rendezvous (training/launcher/rendezvous.py); chosen with
     benchmarks/elastic_scale.py at 2 to 16 agents (README, "Elasticity at scale")."""
 
     # Liveness: a lease renewed this often; a dead node's key goes when the lease expires. etcd
@@ -238,7 +238,7 @@ ETCD_COMPACTION = ("--auto-compaction-mode=periodic", "--auto-compaction-retenti
 
 # Where pods find the client certificate the platform issues them (a Secret of cert-manager's
 # layout: ca.crt, tls.crt, tls.key), and the environment that tells the rendezvous client so
-# (training/etcd_v3.py reads it).
+# (training/launcher/etcd_v3.py reads it).
 CLIENT_TLS_DIR = "/etc/platform/etcd-tls"
 
 

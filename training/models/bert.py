@@ -98,7 +98,7 @@ class BertForMaskedLM(nn.Module):
         do not depend on the labels' values: selecting by value (``hidden[labels != -100]``)
         makes the host wait for the device every step to learn how many there are, and gives
         torch.compile a dynamic shape. Each sequence must have at most ``max_predictions`` masked
-        positions (:func:`training.data.mask_tokens` masks at most that many); None takes them all.
+        positions (:func:`training.data.datasets.mask_tokens` masks at most that many); None takes them all.
         """
         hidden = self.encode(tokens, attention_mask)
         if labels is None:

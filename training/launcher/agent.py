@@ -1,4 +1,4 @@
-"""torchrun's agent with the platform's restart accounting (used by ``python -m training.launch``).
+"""torchrun's agent with the platform's restart accounting (used by ``python -m training.launcher``).
 
 torch 2.13's ``SimpleElasticAgent._invoke_run`` (torch/distributed/elastic/agent/server/api.py)
 takes one of ``--max-restarts`` for every failed worker group, whatever the cause, and its
@@ -36,7 +36,7 @@ from training.contract import (
     CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, FINAL_EXITS, REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL, WRITING_MARKER,
 )
 
-log = logging.getLogger("training.launch")
+log = logging.getLogger("training.launcher")
 # Seconds between SIGTERM and SIGKILL for workers that lost a peer: enough to exit if they are not
 # blocked in a collective, and nothing is lost by not waiting longer (no checkpoint can complete).
 LOST_PEER_STOP_S = 0.5

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from training.config import TrainConfig, masked_per_sequence
-from training.device import detect, move
+from training.data.feed import move
+from training.device import detect
 from training.models import build_model
-from training.trainer import Trainer, compile_with_fallback, per_sample_loss, should_compile
+from training.loop.trainer import Trainer, compile_with_fallback, per_sample_loss, should_compile
 
 
 @dataclass
@@ -85,8 +86,8 @@ def bare_loop(config: TrainConfig, steps: int, warmup: int) -> float:
 
 
 def _single_batch(config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    from training.data import build_dataset
-    from training.sampler import SampleKey
+    from training.data.datasets import build_dataset
+    from training.data.sampler import SampleKey
 
     vocab = build_model(config.model.name).size.vocab if config.model.is_masked_lm else None
     dataset = build_dataset(config, vocab)

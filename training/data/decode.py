@@ -1,7 +1,7 @@
 """Where image files become pixels: in the loader's workers with Pillow, or on the device.
 
 With ``data.decode=device`` a worker only reads the file and draws the sample's crop and flip
-from its seed (:func:`training.data.random_crop`); the bytes travel still encoded (a fifth of
+from its seed (:func:`training.data.datasets.random_crop`); the bytes travel still encoded (a fifth of
 the decoded image), and an :class:`ImageDecoder` in the training process turns the whole batch
 into uint8 NHWC pixels on the device. The crops are the same either way, so both paths train on
 the same samples and labels. The values differ by about a level for 4:4:4 JPEGs (the IDCTs'
@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import default_collate
 
-from training.batch_slots import FilledSlot
-from training.transforms import Crop, crop_pillow_image, failure_reason
+from training.data.batch_slots import FilledSlot
+from training.data.transforms import Crop, crop_pillow_image, failure_reason
 from training.device import DeviceError
 
 
@@ -80,7 +80,7 @@ class EncodedImages:
 
 def collate(samples: list[tuple[Any, ...]]) -> Any:
     """The default collation, except that encoded images stay a list (their lengths differ) and a
-    batch written into its slot (:mod:`training.batch_slots`) is passed on as it is."""
+    batch written into its slot (:mod:`training.data.batch_slots`) is passed on as it is."""
     if isinstance(samples, FilledSlot):
         return samples
     if samples and isinstance(samples[0][0], EncodedImage):
@@ -117,7 +117,7 @@ class PillowDecoder:
 
 def resize_crops(images: list[Tensor], crops: list[Crop], size: int, pixel_budget: int = 1 << 25) -> Tensor:
     """uint8 [3, H, W] images, each cut to its crop and resized to ``size`` x ``size`` with
-    antialiasing as :func:`training.transforms.apply_crop` does, without the flips: float [N, 3, size, size].
+    antialiasing as :func:`training.data.transforms.apply_crop` does, without the flips: float [N, 3, size, size].
 
     A fixed number of kernels per chunk of images, not a few per image: the crops are gathered
     into one padded batch and resized as two batched matrix products. The weights are torch's

@@ -8,7 +8,7 @@ checkpoints or the old set plus the new one: never a half-written file under a c
 
 Files are read with ``torch.load(weights_only=True)``: a checkpoint holds tensors and plain
 values only, so a file planted on the shared file system cannot run code in the trainer.
-Which file to load is decided by one reader (rank 0, see ``training/trainer.py``).
+Which file to load is decided by one reader (rank 0, see ``training/loop/trainer.py``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import sys
 from training.contract import AGENT_PID_ENV
 
 _PR_SET_PDEATHSIG = 1
-log = logging.getLogger("training.launch")
+log = logging.getLogger("training.loop.worker_guard")
 
 
 def die_with_agent() -> None:

@@ -1,6 +1,6 @@
 """Failure drills on the local cluster: what a job on EKS lives through, replayed on loopback.
 
-Each drill runs real agents (``python -m training.launch``, each its own process group, as a
+Each drill runs real agents (``python -m training.launcher``, each its own process group, as a
 pod is) against a real etcd, does to them what a cluster does (lose a node, drain one, lose
 etcd for a while, restart it with or without its data, replace a failed pod, restart the whole
 job, schedule a pod after the end), and returns what happened, measured. The tests assert on
@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.local_cluster import Agent, LocalEtcd, LocalEtcdCluster, read_events, wait_until
+from training.devtools.local_cluster import Agent, LocalEtcd, LocalEtcdCluster, read_events, wait_until
 
 GLOBAL_BATCH = 32
 INTERVAL = 25  # checkpoint interval of the drills, in steps
@@ -307,7 +307,7 @@ def scale_drill(work: Path, agents: int, spread_s: float = 0.0, steady_s: float 
                 tuning=None, samples: int = 2_000_000, timeout_s: float = 600,
                 env: dict[str, str] | None = None) -> ScaleResult:
     """``agents`` nodes arrive (at once, or evenly over ``spread_s``), train steadily for ``steady_s``,
-    then one is SIGKILLed. Every agent runs the pod's command (``python -m training.launch``)."""
+    then one is SIGKILLed. Every agent runs the pod's command (``python -m training.launcher``)."""
     from training.contract import PLATFORM_TUNING
 
     work.mkdir(parents=True, exist_ok=True)

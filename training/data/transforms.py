@@ -1,5 +1,5 @@
 """Image transforms in torch and Pillow, and what a sample failure is called: shared by the
-datasets (:mod:`training.data`), the decoders (:mod:`training.decode`) and the device feed
+datasets (:mod:`training.data.datasets`), the decoders (:mod:`training.data.decode`) and the device feed
 (:mod:`training.device`), which import this module and not each other.
 """
 
@@ -34,7 +34,7 @@ def failure_reason(exc: BaseException) -> str:
 @dataclass(frozen=True)
 class Crop:
     """Where to cut one image and whether to mirror it: drawn in the loader from the sample's
-    seed, carried out by whichever decoder turns the file into pixels (:mod:`training.decode`)."""
+    seed, carried out by whichever decoder turns the file into pixels (:mod:`training.data.decode`)."""
 
     top: int
     left: int

@@ -14,7 +14,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from training.data import IMAGE_SUFFIXES
+from training.data.datasets import IMAGE_SUFFIXES
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def rearrange_val(val: Path, labels: dict[str, str]) -> int:
 
 def _decode_problem(path: Path) -> str | None:
     """Why ``path`` cannot be decoded the way the trainer decodes it, or None."""
-    from training.data import decode_image
+    from training.data.datasets import decode_image
 
     try:
         decode_image(path)

@@ -1,4 +1,4 @@
-"""Datasets keyed by :class:`~training.sampler.SampleKey`, and the loader that reads them.
+"""Datasets keyed by :class:`~training.data.sampler.SampleKey`, and the loader that reads them.
 
 Every random choice a sample needs (crop, flip, which tokens to mask) comes from the key's
 seed, so a sample looks the same whichever rank reads it, before or after a restart.
@@ -17,11 +17,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from training.config import TrainConfig, masked_per_sequence
-from training.sampler import MicroBatchSampler, SampleKey
-from training.transforms import Crop, center_crop, crop_pillow_image, failure_reason, generator_for, random_crop
+from training.data.sampler import MicroBatchSampler, SampleKey
+from training.data.transforms import Crop, center_crop, crop_pillow_image, failure_reason, generator_for, random_crop
 
 if TYPE_CHECKING:
-    from training.batch_slots import BatchSlots
+    from training.data.batch_slots import BatchSlots
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png"}
 # BERT's uncased WordPiece vocabulary: [PAD]=0, [CLS]=101, [SEP]=102, [MASK]=103.
@@ -58,7 +58,7 @@ def _rgb_tensor(img) -> Tensor:
 class ImageFolder(Dataset):
     """``root/<class>/<image>`` read with Pillow; classes sorted by name, as torchvision does.
 
-    ``encoded``: leave JPEGs encoded for the device to decode (:mod:`training.decode`); the
+    ``encoded``: leave JPEGs encoded for the device to decode (:mod:`training.data.decode`); the
     worker reads only the header, for the size the crop is drawn in.
     """
 
@@ -99,7 +99,7 @@ class ImageFolder(Dataset):
     def _encoded(self, path: Path, seed: int):
         from PIL import Image
 
-        from training.decode import EncodedImage
+        from training.data.decode import EncodedImage
 
         data = path.read_bytes()
         with Image.open(io.BytesIO(data)) as image:  # reads the header only
@@ -114,7 +114,7 @@ class ImageFolder(Dataset):
         """What stands in for a bad sample in its batch (with loss weight 0)."""
         pixels = torch.zeros(self.image_size, self.image_size, 3, dtype=torch.uint8)
         if self.encoded:
-            from training.decode import EncodedImage
+            from training.data.decode import EncodedImage
 
             return EncodedImage(torch.empty(0, dtype=torch.uint8), None, pixels), 0
         return pixels, 0
@@ -303,9 +303,9 @@ def build_dataset(config: TrainConfig, vocab_size: int | None = None, encoded: b
 def build_loader(dataset: Dataset, sampler: MicroBatchSampler, config: TrainConfig, pin_memory: bool,
                  slots: BatchSlots | None = None) -> DataLoader:
     """Micro-batches of keyed samples; with ``slots``, the workers write them into those shared
-    slots and the loader yields only which slot holds each (:mod:`training.batch_slots`)."""
-    from training.batch_slots import SlotFiller
-    from training.decode import collate
+    slots and the loader yields only which slot holds each (:mod:`training.data.batch_slots`)."""
+    from training.data.batch_slots import SlotFiller
+    from training.data.decode import collate
 
     workers = config.data.num_workers
     keyed = Keyed(dataset)

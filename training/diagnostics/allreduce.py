@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from training import elastic
+from training.loop import elastic
 from training.device import detect
 
 # What NCCL (with aws-ofi-nccl) writes at init with NCCL_DEBUG=INFO.

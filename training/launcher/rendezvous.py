@@ -1,6 +1,6 @@
 """The platform's rendezvous for torchrun, on etcd's v3 API: leases for liveness, transactions for rounds.
 
-Registered by :mod:`training.launch` as ``platform-etcd``. torch's own ``etcd-v2`` backend (and
+Registered by :mod:`training.launcher.main` as ``platform-etcd``. torch's own ``etcd-v2`` backend (and
 this module's earlier form on it) keeps the whole rendezvous in one pickled key that every
 agent's heartbeat rewrites by compare-and-swap, speaks the v2 API that etcd 3.6 removed, and
 restarts the worker group whenever any node waits (torch 2.13 ``agent/server/api.py``
@@ -22,13 +22,13 @@ never reached its full size. This handler implements torch's ``RendezvousHandler
 - **Growth is batched.** A node that arrives while a round is running waits; the running
   members admit all waiting nodes together, once the round has trained for
   ``scale_up_after_s`` since it started (its first progress report, see
-  :data:`training.launch.PROGRESS_FILE_ENV`); that round completes once every live node has
+  :data:`training.launcher.main.PROGRESS_FILE_ENV`); that round completes once every live node has
   joined. Only a job's first round waits ``last_call_timeout`` for nodes starting together.
   Below ``min_nodes`` nothing waits.
 - **Newcomers count only when ready.** An agent registers as waiting after its warm-up
-  (``training.launch`` imports torch._dynamo and the trainer into the agent before that, so
+  (``training.launcher.main`` imports torch._dynamo and the trainer into the agent before that, so
   forked workers start warm). On an admission the survivors' workers stay up and join the new
-  round in place (``training/agent.py``, ``_regroup``).
+  round in place (``training/launcher/agent.py``, ``_regroup``).
 - **etcd outages are waited out** for ``outage_tolerance`` seconds at every call, from the
   agent's first moment: a running job trains on, a joining agent keeps trying. Leases
   survive an etcd restart (etcd renews every lease when a leader takes over); a lost lease
@@ -61,7 +61,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.registry import handler_registry
 
-from training.etcd_v3 import (
+from training.launcher.etcd_v3 import (
     EtcdClient, EtcdUnavailable, KeyValue, op_delete, op_put, op_range, unchanged_since,
 )
 from training.contract import PROGRESS_FILE_ENV, STOP_BUDGET_ENV, RendezvousTuning

@@ -25,20 +25,21 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from training import elastic
-from training.batch_slots import BatchSlots, slot_count
-from training.broadcast import broadcast_state
-from training.checkpoint import CheckpointError, CheckpointManager, Saved
+from training.loop import elastic
+from training.data.batch_slots import BatchSlots, slot_count
+from training.loop.broadcast import broadcast_state
+from training.loop.checkpoint import CheckpointError, CheckpointManager, Saved
 from training.config import TrainConfig
 from training.contract import (
     CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, PROGRESS_FILE_ENV, STOP_BUDGET_ENV, WRITING_MARKER, checkpoint_name,
 )
-from training.data import DataError, attention_mask, build_dataset, build_loader
-from training.decode import build_decoder
-from training.device import DeviceFeed, Runtime, detect
-from training.metrics import MetricsWriter, stdout_is_for_people, training_flops_per_sample
+from training.data.datasets import DataError, attention_mask, build_dataset, build_loader
+from training.data.decode import build_decoder
+from training.data.feed import DeviceFeed
+from training.device import Runtime, detect
+from training.loop.metrics import MetricsWriter, stdout_is_for_people, training_flops_per_sample
 from training.models import IMAGE_MODELS, build_model
-from training.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
+from training.data.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
 
 log = logging.getLogger(__name__)
 # A checkpoint write longer than this share of the stop budget is warned about.
@@ -76,7 +77,7 @@ def per_sample_loss(model: nn.Module, inputs: Tensor, target: Tensor, masked_lm:
     """Loss per sample; a masked-LM sample's loss is the mean over its masked tokens, computed by
     the model at ``max_predictions`` gathered positions per sequence (``data.masked_per_sequence``;
     see BertForMaskedLM.forward), with attention kept off padding by ``attention_mask``
-    (``training.data.attention_mask``), through DDP's forward, so gradients are reduced."""
+    (``training.data.datasets.attention_mask``), through DDP's forward, so gradients are reduced."""
     if masked_lm:
         return model(inputs, attention_mask=attention_mask, labels=target, per_sample=True,
                      max_predictions=max_predictions)
@@ -107,10 +108,10 @@ class Trainer:
         self.stop_budget_s = float(os.environ.get(STOP_BUDGET_ENV, "30"))
         self.spot = elastic.SpotNotice(os.environ.get(elastic.SPOT_NOTICE_ENV) == "imds"
                                        and self.membership.local_rank == 0)
-        # The agent counts this round's training time from our first report (training/rendezvous.py).
+        # The agent counts this round's training time from our first report (training/launcher/rendezvous.py).
         self._progress_file = os.environ.get(PROGRESS_FILE_ENV) if self.membership.local_rank == 0 else None
         control = os.environ.get(CONTROL_DIR_ENV)
-        # Tells the agent a checkpoint is being written (training/agent.py waits for it before a SIGKILL).
+        # Tells the agent a checkpoint is being written (training/launcher/agent.py waits for it before a SIGKILL).
         self._writing_marker = Path(control) / f"{WRITING_MARKER}-{self.membership.local_rank}" if control else None
         self.generation = 0  # rounds this process joined in place (regroups)
         self.regrouping = False  # the ranks agreed to stop for a regroup, not for good

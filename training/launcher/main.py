@@ -1,13 +1,13 @@
-"""``python -m training.launch``: the platform's launcher, which every training pod runs.
+"""``python -m training.launcher``: the platform's launcher, which every training pod runs.
 
 Its command line comes from :func:`training.contract.launch_command` (the charts, the local
 cluster and the tests build commands only with it): the platform's launcher, torchrun's flags,
 and ``-m training train``; the trainer's overrides are appended.
 
-``python -m training.launch`` is torchrun with four platform decisions (each measured with
+``python -m training.launcher`` is torchrun with four platform decisions (each measured with
 torch 2.13, real agents and a real etcd; see the README's elasticity section):
 
-- the ``platform-etcd`` rendezvous (:mod:`training.rendezvous`) on etcd's v3 API: leases for
+- the ``platform-etcd`` rendezvous (:mod:`training.launcher.rendezvous`) on etcd's v3 API: leases for
   liveness, growth admitted in batches, shrink without a last call, etcd outages up to
   ``outage_tolerance`` waited out, and only the job's success closes a round;
 - sub-second keep-alives, which torchrun's own parser cannot take;
@@ -32,15 +32,15 @@ from training.contract import (
     batch_rendezvous_arguments, checkpoint_step,
 )
 
-log = logging.getLogger("training.launch")
+log = logging.getLogger("training.launcher")
 
 
 def _train_worker(*argv: str) -> None:
     """A worker's entry point, run in a process forked from the agent."""
-    from training.worker_guard import die_with_agent
+    from training.loop.worker_guard import die_with_agent
 
     die_with_agent()
-    from training import elastic
+    from training.loop import elastic
     from training.__main__ import main as trainer_main
 
     try:
@@ -131,7 +131,7 @@ def _warm_up_trainer() -> None:
     started = time.monotonic()
     import torch._dynamo  # noqa: F401 - imported for its side effect: the modules are loaded
 
-    import training.trainer  # noqa: F401 - likewise
+    import training.loop.trainer  # noqa: F401 - likewise
 
     log.info("the trainer is imported (%.1f s); this node is ready to join", time.monotonic() - started)
 
@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from training import agent, rendezvous
+    from training.launcher import agent
+
+    from training.launcher import rendezvous
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if BATCH_NODE_FLAG in argv:
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(LAUNCH_ENVIRONMENT)
     if trainer_config is not None:
         # The packaged trainer reports its progress (the rendezvous counts training time from it)
-        # and can change rounds without a restart (training/agent.py, _regroup).
+        # and can change rounds without a restart (training/launcher/agent.py, _regroup).
         agent_dir = tempfile.mkdtemp(prefix="platform-agent-")
         os.environ[PROGRESS_FILE_ENV] = os.path.join(agent_dir, "progress")
         os.environ[CONTROL_DIR_ENV] = agent_dir
@@ -210,6 +212,3 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_RESTART_JOB
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
