@@ -375,7 +375,8 @@ def feed_overhead(table: Table, sizes: Sizes, device: str, steps: int = 40, roun
     from training.device import detect
     from training.models import build_model
     from training.data.sampler import ElasticBatchPlan, Layout, MicroBatchSampler
-    from training.loop.trainer import compile_with_fallback, per_sample_loss
+    from training.loop.compile import compile_with_fallback
+    from training.loop.objective import per_sample_loss
 
     config = load_train_config(None, [*common(sizes, device), f"--data.num_workers={sizes.workers}",
                                       f"--train.micro_batch_size={sizes.batch}", f"--train.global_batch_size={sizes.batch}"])

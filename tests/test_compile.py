@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from training.config import load_train_config
-from training.loop.trainer import compile_with_fallback, should_compile
+from training.loop.compile import compile_with_fallback, should_compile
 
 
 @pytest.mark.parametrize(("overrides", "device", "expected"), [
@@ -46,7 +46,7 @@ def test_a_compiler_failure_runs_eagerly_and_says_so_in_one_line(dynamo, caplog)
         assert torch.allclose(compiled(inputs), model(inputs))
         compiled(inputs).sum().backward()
         compiled(inputs)
-    ours = [r.getMessage() for r in caplog.records if r.name == "training.loop.trainer"]
+    ours = [r.getMessage() for r in caplog.records if r.name == "training.loop.compile"]
     assert ours == ["torch.compile failed, so the model runs eagerly: backend='broken' raised: RuntimeError: the "
                     "compiler cannot do this"]
     assert not [r for r in caplog.records if r.getMessage().startswith("WON'T CONVERT")]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from training.devtools.local_cluster import Agent, read_events, wait_until
-from training.loop.trainer import EXIT_MEMBERSHIP_CHANGE
+from training.contract import EXIT_MEMBERSHIP_CHANGE
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from training.loop import elastic
-from training.loop.trainer import STOP_BUDGET_ENV, Trainer
+from training.contract import STOP_BUDGET_ENV
+from training.loop.trainer import Trainer
 from tests.test_trainer_metrics import small_run
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from training.config import load_train_config
-from training.loop.trainer import Trainer, learning_rate
+from training.loop.objective import learning_rate
+from training.loop.trainer import Trainer
 
 STEP_FIELDS = {
     "step", "epoch", "loss", "lr", "samples_per_s", "samples_per_s_per_device", "step_time_s", "data_wait_pct",

@@ -23,7 +23,9 @@ from training.config import TrainConfig, masked_per_sequence
 from training.data.feed import move
 from training.device import detect
 from training.models import build_model
-from training.loop.trainer import Trainer, compile_with_fallback, per_sample_loss, should_compile
+from training.loop.compile import compile_with_fallback, should_compile
+from training.loop.objective import per_sample_loss
+from training.loop.trainer import Trainer
 
 
 @dataclass
@@ -51,8 +53,9 @@ class Comparison:
                            "trainer": self.trainer, "bare": self.bare, "ratio": round(self.ratio, 4)})
 
 
-def bare_loop(config: TrainConfig, steps: int, warmup: int) -> float:
-    """Samples/s of zero_grad/forward/backward/step on one batch already on the device."""
+def bare_loop(config: TrainConfig, steps: int, warmup: int, losses: list[torch.Tensor] | None = None) -> float:
+    """Samples/s of zero_grad/forward/backward/step on one batch already on the device; each
+    step's loss is appended to ``losses`` when given (no host sync)."""
     runtime = detect(config.train.device)
     torch.manual_seed(config.train.seed)
     model = build_model(config.model.name, config.model.num_classes, config.model.image_size).to(runtime.device)
@@ -81,6 +84,8 @@ def bare_loop(config: TrainConfig, steps: int, warmup: int) -> float:
                                    config.data.masked_per_sequence).mean()
         loss.backward()
         optimizer.step()
+        if losses is not None:
+            losses.append(loss.detach())
     runtime.synchronize()
     return steps * batch / (time.perf_counter() - started)
 

@@ -10,16 +10,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import os
-import random
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -37,8 +34,13 @@ from training.data.datasets import DataError, attention_mask, build_dataset, bui
 from training.data.decode import build_decoder
 from training.data.feed import DeviceFeed
 from training.device import Runtime, detect
-from training.loop.metrics import MetricsWriter, stdout_is_for_people, training_flops_per_sample
-from training.models import IMAGE_MODELS, build_model
+from training.loop.compile import compile_with_fallback, should_compile
+from training.loop.metrics import MetricsWriter, stdout_is_for_people
+from training.loop.objective import count_training_flops, learning_rate, per_sample_loss
+from training.loop.save_policy import SavePolicy
+from training.loop.resume import decide
+from training.loop.state import Progress, TrainState, rng_state, seed_all, set_rng_state, signature
+from training.models import build_model
 from training.data.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
 
 log = logging.getLogger(__name__)
@@ -53,47 +55,11 @@ class Diverged(Exception):
 
 
 @dataclass
-class Progress:
-    """Where training stands; saved in every checkpoint."""
-
-    epoch: int = 0
-    offset: int = 0  # samples of this epoch's order already trained on
-    step: int = 0  # optimizer steps since the start of training
-    # Segments [attempt, first_step, end_step) whose steps count; each resume adds one.
-    history: list[list[Any]] = field(default_factory=list)
-    bad_samples: int = 0  # samples skipped because they could not be read, over the whole run
-
-
-@dataclass
 class TrainResult:
     step: int
     loss: float | None
     stopped_by_signal: bool
     elapsed_s: float
-
-
-def per_sample_loss(model: nn.Module, inputs: Tensor, target: Tensor, masked_lm: bool,
-                    max_predictions: int | None = None, attention_mask: Tensor | None = None) -> Tensor:
-    """Loss per sample; a masked-LM sample's loss is the mean over its masked tokens, computed by
-    the model at ``max_predictions`` gathered positions per sequence (``data.masked_per_sequence``;
-    see BertForMaskedLM.forward), with attention kept off padding by ``attention_mask``
-    (``training.data.datasets.attention_mask``), through DDP's forward, so gradients are reduced."""
-    if masked_lm:
-        return model(inputs, attention_mask=attention_mask, labels=target, per_sample=True,
-                     max_predictions=max_predictions)
-    return nn.functional.cross_entropy(model(inputs).float(), target, reduction="none")
-
-
-def learning_rate(config: TrainConfig, progress: float, total_steps: int, scale: float) -> float:
-    """Linear warm-up, then cosine or constant. ``progress`` in [0, 1] counts samples, so it survives resizes."""
-    optim = config.optim
-    base = optim.lr * scale
-    warmup = min(1.0, optim.warmup_steps / total_steps)
-    if progress < warmup:
-        return base * max(progress, 1 / total_steps) / warmup
-    if optim.schedule == "constant":
-        return base
-    return base * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup or 1))))
 
 
 class Trainer:
@@ -162,16 +128,15 @@ class Trainer:
         self.resumed_from: int | None = None
         self.flops_per_sample: float | None = None  # counted once per run, kept in the checkpoints
         self._saved_step: int | None = None
-        self._durable_step = 0  # the newest step on disk (rank 0 knows; others never need it)
-        self._write_lead = 0  # steps the last write lasted: start the next asynchronous one that early
+        # Rank 0 decides when to save (the others never need to know the newest step on disk).
+        self.saves = SavePolicy(checkpoint.interval_steps, checkpoint.async_save)
         self._recent_step_s: float | None = None  # moving average of the step time
         self._budget_warned = False
         self._bad_pending = 0  # samples skipped on this rank since the last count across ranks
         self._nonfinite: Tensor | None = None  # single process: a non-finite loss seen since the last check
         self.agreement = elastic.LaggedAgreement(self._flag_device())
-        self._save_asked_for = -1  # rank 0, several ranks: the step a save was asked for, a step ahead
         resume_event = self._resume()
-        self._durable_step = self.progress.step
+        self.saves.durable_step = self.progress.step
         self.attempt = self._agree_on_attempt_id()
         self.first_step = self.progress.step
 
@@ -222,66 +187,6 @@ class Trainer:
         global_batch = self.world_size * train.micro_batch_size
         return Layout(self.world_size, 1, train.micro_batch_size), global_batch / train.global_batch_size, global_batch
 
-    def _signature(self) -> dict[str, Any]:
-        """What a checkpoint must share with this job to be resumed by it."""
-        model = self.config.model
-        signature: dict[str, Any] = {"model.name": model.name, "model.num_classes": model.num_classes,
-                                     "optim.name": self.config.optim.name}
-        if model.name in IMAGE_MODELS:
-            signature["model.image_size"] = model.image_size
-        return signature
-
-    def _mismatch(self, state: dict[str, Any]) -> str | None:
-        """How ``state`` differs from this job, in words; None when it fits."""
-        saved = state.get("signature")
-        if isinstance(saved, dict):
-            differences = [f"{key} {saved.get(key)!r} there, {value!r} here"
-                           for key, value in self._signature().items() if saved.get(key) != value]
-            if differences:
-                return "; ".join(differences)
-        weights = state.get("model")
-        if not isinstance(weights, dict):
-            return "it holds no model weights"
-        own = self.module.state_dict()
-        missing = [key for key in own if key not in weights]
-        unexpected = [key for key in weights if key not in own]
-        if missing or unexpected:
-            example = (missing or unexpected)[0]
-            return f"{len(missing)} tensor(s) missing and {len(unexpected)} unexpected, e.g. {example}"
-        for key, tensor in own.items():
-            if tuple(weights[key].shape) != tuple(tensor.shape):
-                return f"{key} has shape {list(weights[key].shape)} there, {list(tensor.shape)} here"
-        return None
-
-    def _decide(self) -> dict[str, Any]:
-        """Rank 0 alone: probe the directory, read the newest usable checkpoint, or say why not."""
-        started = time.perf_counter()
-        try:
-            self.checkpoints.probe()
-        except CheckpointError as exc:
-            return {"kind": "refuse", "message": str(exc)}
-        newest = self.checkpoints.load_newest()
-        directory = self.checkpoints.directory
-        if newest.state is None and not newest.unreadable:
-            return {"kind": "fresh"}
-        if newest.state is None:
-            problem = (f"checkpoint.dir: none of the {len(newest.unreadable)} checkpoint(s) in {directory} can be "
-                       f"read (newest {newest.unreadable[0]})")
-        else:
-            mismatch = self._mismatch(newest.state)
-            if mismatch is None:
-                return {"kind": "resume", "step": newest.step, "path": str(newest.path), "state": newest.state,
-                        "bytes_read": newest.bytes_read, "read_s": time.perf_counter() - started,
-                        "unreadable": newest.unreadable}
-            problem = f"checkpoint.dir: {newest.path} does not fit this job: {mismatch}"
-        if self.config.checkpoint.if_unusable == "start_fresh":
-            where = self.checkpoints.set_aside()
-            log.warning("%s; moved every checkpoint to %s and starting at step 0 (checkpoint.if_unusable="
-                        "start_fresh)", problem, where)
-            return {"kind": "fresh", "set_aside": str(where)}
-        return {"kind": "refuse", "message": f"{problem}; allowed: another checkpoint.dir, or "
-                                             "checkpoint.if_unusable=start_fresh to set them aside and start at step 0"}
-
     def _resume(self) -> dict[str, Any]:
         """One decision, made by rank 0 and followed by all: resume from which step, start fresh, or refuse.
 
@@ -289,7 +194,8 @@ class Trainer:
         restart reads each checkpoint once, not once per rank, and no rank can load another step.
         """
         started = time.perf_counter()
-        decision = self._decide() if self.rank == 0 else {}
+        decision = decide(self.checkpoints, signature(self.config), self.module.state_dict(),
+                          self.config.checkpoint.if_unusable) if self.rank == 0 else {}
         summary = [{key: value for key, value in decision.items() if key != "state"}]
         if self.distributed:
             dist.broadcast_object_list(summary, src=0)
@@ -298,22 +204,27 @@ class Trainer:
             raise CheckpointError(summary["message"])
         if summary["kind"] == "fresh":
             return {"set_aside": summary["set_aside"]} if "set_aside" in summary else {}
-        state = broadcast_state(decision.get("state"), self._flag_device())
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler.is_enabled() and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.progress = Progress(**state["progress"])
-        self.flops_per_sample = state.get("flops_per_sample")
-        rng = state["rng"]
-        if self.rank < len(rng):
-            _set_rng_state(rng[self.rank])
+        state = TrainState.from_state_dict(broadcast_state(decision.get("state"), self._flag_device()))
+        self.module.load_state_dict(state.model)
+        self.optimizer.load_state_dict(state.optimizer)
+        if self.scaler.is_enabled() and state.scaler:
+            self.scaler.load_state_dict(state.scaler)
+        self.progress = state.progress
+        self.flops_per_sample = state.flops_per_sample
+        if self.rank < len(state.rng):
+            set_rng_state(state.rng[self.rank])
         else:  # a rank that did not exist when the checkpoint was written
-            _seed_all(self.config.train.seed * 1009 + summary["step"] * 31 + self.rank)
+            seed_all(self.config.train.seed * 1009 + summary["step"] * 31 + self.rank)
         self.resumed_from = summary["step"]
+        optim = self.config.optim
+        written = (state.schedule.get("name"), state.schedule.get("base_lr"))
+        if state.schedule and written != (optim.schedule, optim.lr):
+            log.warning("the checkpoint was written with optim.schedule=%s optim.lr=%s; this job goes on with %s %s "
+                        "from the same position in the schedule", *written, optim.schedule, optim.lr)
         return {"checkpoint": summary["path"], "read_s": round(summary["read_s"], 3),
                 "load_s": round(time.perf_counter() - started, 3), "bytes_read": summary["bytes_read"],
-                "skipped_unreadable": summary["unreadable"]}
+                "skipped_unreadable": summary["unreadable"], "written_by_world_size": state.world_size,
+                "written_with_global_batch": state.global_batch}
 
     def _agree_on_attempt_id(self) -> str:
         attempt = [uuid.uuid4().hex[:12]]
@@ -331,7 +242,33 @@ class Trainer:
     # --- the loop --------------------------------------------------------------------------
 
     def run(self) -> TrainResult:
+        """This round: announce it, train until the end or an agreed stop, save, report."""
         cfg = self.config
+        self._announce_round()
+        run = _Run(first_step=self.progress.step, flops_per_sample=self._count_flops() if self.rank == 0 else None,
+                   paced_gc=bool(cfg.train.gc_every_steps) and gc.isenabled())
+        self.metrics.total_steps = cfg.train.max_steps or cfg.train.epochs * self.plan.steps_per_epoch
+        self.stop.training = True  # from here a stop signal checkpoints at the end of the step
+        if self.stop.requested:
+            log.warning("stop requested during startup")
+        self.runtime.synchronize()  # the first window starts with nothing queued on the device
+        run.window = _Window()
+        slots = self._batch_slots()
+        if run.paced_gc:
+            gc.collect(1)
+            gc.disable()
+        try:
+            while not run.stopped and self.progress.epoch < cfg.train.epochs and not self._reached():
+                self._train_epoch(run, slots)
+        finally:
+            if slots is not None:
+                slots.close()
+            if run.paced_gc:
+                gc.enable()
+                gc.collect()  # what the loop left goes now, while all it refers to is alive, not at exit
+        return self._finish(run)
+
+    def _announce_round(self) -> None:
         self.metrics.event(
             "rendezvous", world_size=self.world_size, restart_count=self.membership.restart_count,
             run_id=self.membership.run_id, attempt=self.attempt, global_batch=self.global_batch,
@@ -345,99 +282,85 @@ class Trainer:
             "resume" if self.resumed_from is not None else "start",
             step=self.progress.step, epoch=self.progress.epoch, offset=self.progress.offset, **self._resume_event,
         )
-        flops_per_sample = self._count_flops() if self.rank == 0 else None
-        self.metrics.total_steps = cfg.train.max_steps or cfg.train.epochs * self.plan.steps_per_epoch
-        loop_started, first_step = time.perf_counter(), self.progress.step
-        self.stop.training = True  # from here a stop signal checkpoints at the end of the step
-        if self.stop.requested:
-            log.warning("stop requested during startup")
-        total_steps = cfg.train.max_steps
-        last_loss: float | None = None
-        self.runtime.synchronize()  # the first window starts with nothing queued on the device
-        window = _Window()
-        stopped = False
-        slots = self._batch_slots()
-        paced_gc = bool(cfg.train.gc_every_steps) and gc.isenabled()
-        if paced_gc:
-            gc.collect(1)
-            gc.disable()
+
+    def _train_epoch(self, run: "_Run", slots: BatchSlots | None) -> None:
+        """From the epoch's current offset to its end, or to an agreed stop."""
+        cfg = self.config
+        loader = build_loader(
+            self.dataset, MicroBatchSampler(self.plan, self.progress.epoch, self.progress.offset, self.rank, self.layout),
+            cfg,
+            # Pinned on the feed thread, not by the DataLoader's pin thread: on an H100 that
+            # thread cost a ResNet-50 step 17 % (benchmarks/throughput.py, section feed).
+            pin_memory=False, slots=slots,
+        )
+        feed = DeviceFeed(loader, self.runtime, self.channels_last, self.decoder, cfg.model.image_size,
+                          pin=self.runtime.kind == "cuda" and not (slots and slots.pinned), slots=slots,
+                          attention_mask=attention_mask if cfg.model.is_masked_lm else None)
         try:
-            while self.progress.epoch < cfg.train.epochs and not self._reached(total_steps):
-                loader = build_loader(
-                    self.dataset,
-                    MicroBatchSampler(self.plan, self.progress.epoch, self.progress.offset, self.rank, self.layout),
-                    cfg,
-                    # Pinned on the feed thread, not by the DataLoader's pin thread: on an H100 that
-                    # thread cost a ResNet-50 step 17 % (benchmarks/throughput.py, section feed).
-                    pin_memory=False,
-                    slots=slots,
-                )
-                feed = DeviceFeed(loader, self.runtime, self.channels_last, self.decoder, cfg.model.image_size,
-                                  pin=self.runtime.kind == "cuda" and not (slots and slots.pinned), slots=slots,
-                                  attention_mask=attention_mask if cfg.model.is_masked_lm else None)
-                try:
-                    while self.progress.offset < self.plan.dataset_size and not self._reached(total_steps):
-                        loss, data_wait, step_time = self._step(feed)
-                        window.add(loss, data_wait)
-                        if self.progress.step == first_step + 1:
-                            self._report_progress()
-                        if (self.distributed and self.first_start
-                                and self.progress.step - self.first_step == cfg.distributed.warmup_steps):
-                            elastic.shorten_timeout(cfg.distributed.timeout_s)
-                        self._recent_step_s = step_time if self._recent_step_s is None else (
-                            0.9 * self._recent_step_s + 0.1 * step_time)
-                        stop_now, notice, save_now = self._agree(loss)
-                        # The run's last step reports here too, before the loader's workers are torn
-                        # down: that teardown is not training time (on an H100 it took 5-10 % of a
-                        # 40-step window).
-                        if self.progress.step % cfg.train.log_every_steps == 0 or self._last_step(total_steps):
-                            last_loss = self._report(window, flops_per_sample)
-                        if stop_now:
-                            self._save(synchronous=True, reason="regroup" if self.regrouping else "stop")
-                            stopped = True
-                            break
-                        if notice:
-                            self.spot.acted()
-                            self._save(synchronous=True, reason="spot-notice")
-                        elif save_now:
-                            self._save(synchronous=False)
-                        self._keep_loss_bound()
-                        if paced_gc and self.progress.step % cfg.train.gc_every_steps == 0:
-                            gc.collect(1)
-                finally:
-                    feed.close()  # a fetch in flight ends before its loader does
-                del feed, loader
-                if stopped:
-                    break
-                if self.progress.offset >= self.plan.dataset_size:
-                    self.progress.epoch += 1
-                    self.progress.offset = 0
+            while not run.stopped and self.progress.offset < self.plan.dataset_size and not self._reached():
+                self._train_step(run, feed)
         finally:
-            if slots is not None:
-                slots.close()
-            if paced_gc:
-                gc.enable()
-                gc.collect()  # what the loop left goes now, while all it refers to is alive, not at exit
+            feed.close()  # a fetch in flight ends before its loader does
+        if not run.stopped and self.progress.offset >= self.plan.dataset_size:
+            self.progress.epoch += 1
+            self.progress.offset = 0
+
+    def _train_step(self, run: "_Run", feed: DeviceFeed) -> None:
+        """The loop body: a step, the ranks' agreement on it, then report, stop or checkpoint as agreed."""
+        loss, data_wait, step_time = self._step(feed)
+        run.window.add(loss, data_wait)
+        self._after_step(run, step_time)
+        stop_now, notice, save_now = self._agree(loss)
+        # The run's last step reports here too, before the loader's workers are torn down: that
+        # teardown is not training time (on an H100 it took 5-10 % of a 40-step window).
+        if self.progress.step % self.config.train.log_every_steps == 0 or self._last_step():
+            run.last_loss = self._report(run.window, run.flops_per_sample)
+        if stop_now:
+            self._save(synchronous=True, reason="regroup" if self.regrouping else "stop")
+            run.stopped = True
+            return
+        if notice:
+            self.spot.acted()
+            self._save(synchronous=True, reason="spot-notice")
+        elif save_now:
+            self._save(synchronous=False)
+        self._keep_loss_bound()
+        if run.paced_gc and self.progress.step % self.config.train.gc_every_steps == 0:
+            gc.collect(1)
+
+    def _after_step(self, run: "_Run", step_time: float) -> None:
+        """Tell the agent this round trains (its first step), shorten the collectives' timeout once
+        the first start is warm, and keep the step time the checkpointer plans its writes with."""
+        if self.progress.step == run.first_step + 1:
+            self._report_progress()
+        if (self.distributed and self.first_start
+                and self.progress.step - self.first_step == self.config.distributed.warmup_steps):
+            elastic.shorten_timeout(self.config.distributed.timeout_s)
+        self._recent_step_s = step_time if self._recent_step_s is None else (
+            0.9 * self._recent_step_s + 0.1 * step_time)
+
+    def _finish(self, run: "_Run") -> TrainResult:
+        """After the loop: settle the agreement, save the end of a finished run, report, close."""
         if self.distributed:
             self.agreement.settle()
-        if not stopped:
-            if window.steps:
-                last_loss = self._report(window, flops_per_sample)
+        if not run.stopped:
+            if run.window.steps:
+                run.last_loss = self._report(run.window, run.flops_per_sample)
             if self._saved_step != self.progress.step:
                 self._save(synchronous=True, reason="finished")
         self.checkpoints.wait()
-        elapsed = time.perf_counter() - loop_started
+        elapsed = time.perf_counter() - run.started
         newest = self.checkpoints.steps()
-        self.metrics.event("stop" if stopped else "finished", step=self.progress.step,
-                           signal=self.stop.signal_name, by_peer=stopped and not self.stop.requested,
+        self.metrics.event("stop" if run.stopped else "finished", step=self.progress.step,
+                           signal=self.stop.signal_name, by_peer=run.stopped and not self.stop.requested,
                            bad_samples=self.progress.bad_samples, elapsed_s=round(elapsed, 3),
-                           samples_per_s=round((self.progress.step - first_step) * self.global_batch / elapsed, 2)
-                           if elapsed else None, loss=last_loss,
+                           samples_per_s=round((self.progress.step - run.first_step) * self.global_batch / elapsed, 2)
+                           if elapsed else None, loss=run.last_loss,
                            checkpoint=str(self.checkpoints.path(newest[-1])) if newest else None)
         self.metrics.close()
         if self.sample_log:
             self.sample_log.close()
-        return TrainResult(self.progress.step, last_loss, stopped, time.perf_counter() - self.started)
+        return TrainResult(self.progress.step, run.last_loss, run.stopped, time.perf_counter() - self.started)
 
     def _batch_slots(self) -> BatchSlots | None:
         """On CUDA, with loader workers and decoded inputs: page-locked shared slots that the
@@ -451,13 +374,15 @@ class Trainer:
                  " page-locked" if slots.pinned else "")
         return slots
 
-    def _last_step(self, total_steps: int | None) -> bool:
+    def _last_step(self) -> bool:
         """Has the step just taken ended the run (max_steps, or the last epoch's last batch)?"""
-        return self._reached(total_steps) or (
+        return self._reached() or (
             self.progress.epoch == self.config.train.epochs - 1 and self.progress.offset >= self.plan.dataset_size)
 
-    def _reached(self, total_steps: int | None) -> bool:
-        return total_steps is not None and self.progress.step >= total_steps
+    def _reached(self) -> bool:
+        """train.max_steps, when set, is reached."""
+        max_steps = self.config.train.max_steps
+        return max_steps is not None and self.progress.step >= max_steps
 
     def _flag_device(self) -> torch.device:
         return self.runtime.device if self.runtime.backend == "nccl" else torch.device("cpu")
@@ -475,10 +400,9 @@ class Trainer:
         if not self.distributed:
             self._nonfinite = not_finite if self._nonfinite is None else self._nonfinite | not_finite
             self.regrouping = self.stop.regroup and not self.stop.requested
-            return self.stop.requested or self.stop.regroup, self.spot.pending, self.rank == 0 and self._save_due()
-        save_next = self.rank == 0 and self._save_due(steps_ahead=1)
-        if save_next:
-            self._save_asked_for = self.progress.step + 1
+            save_now = self.rank == 0 and self.saves.due(self.progress.step, self.checkpoints.in_flight)
+            return self.stop.requested or self.stop.regroup, self.spot.pending, save_now
+        save_next = self.rank == 0 and self.saves.ask_ahead(self.progress.step, self.checkpoints.in_flight)
         agreed = self.agreement.exchange(self.stop.requested, self.spot.pending, save_next, not_finite,
                                          self.stop.regroup)
         if agreed is None:  # the first step of this attempt: nothing was asked a step ago
@@ -638,31 +562,10 @@ class Trainer:
 
     # --- checkpoints -----------------------------------------------------------------------
 
-    def _save_due(self, steps_ahead: int = 0) -> bool:
-        """Rank 0: start a save now (or that many steps ahead)? Early enough that it is on disk by
-        one interval after the last one."""
-        if self.checkpoints.in_flight:
-            return False
-        interval = self.config.checkpoint.interval_steps
-        durable = self._durable_step
-        if steps_ahead and self._save_asked_for == self.progress.step:
-            # The save asked for this step starts right after this question: a step later it is
-            # still being written (asynchronous), or on disk.
-            if self.checkpoints.async_save:
-                return False
-            durable = self.progress.step
-        return self.progress.step + steps_ahead - durable >= max(1, interval - self._write_lead)
-
     def _keep_loss_bound(self) -> None:
-        """Rank 0, before the next step: never train more than one interval past the newest checkpoint on disk.
-
-        A kill then loses at most ``checkpoint.interval_steps`` steps. Saves start early by the
-        length of the last write (:meth:`_save_due`), so this rarely waits; when an asynchronous
-        write has not finished in time, it does (the other ranks wait at the next collective).
-        """
-        if self.rank != 0 or not self.checkpoints.in_flight:
-            return
-        if self.progress.step - self._durable_step >= self.config.checkpoint.interval_steps:
+        """Rank 0, before the next step: never train more than one interval past the newest
+        checkpoint on disk (a kill then loses at most ``checkpoint.interval_steps`` steps)."""
+        if self.rank == 0 and self.saves.must_wait(self.progress.step, self.checkpoints.in_flight):
             self.checkpoints.wait()
 
     def _announce_saved(self, saved: Saved) -> None:
@@ -670,10 +573,7 @@ class Trainer:
         if self._writing_marker is not None:
             self._writing_marker.unlink(missing_ok=True)
         spanned = max(0, self.progress.step - saved.step)  # steps trained while it was written
-        if self._recent_step_s and self.checkpoints.async_save:
-            # Whole steps the write lasts: the next asynchronous save starts that many steps early.
-            self._write_lead = min(self.config.checkpoint.interval_steps - 1, int(saved.write_s / self._recent_step_s))
-        self._durable_step = max(self._durable_step, saved.step)
+        self.saves.saved(saved.step, saved.write_s, self._recent_step_s)
         self.metrics.event("checkpoint_saved", step=saved.step, path=str(saved.path), bytes=saved.bytes,
                            write_s=round(saved.write_s, 3), blocking_s=round(saved.blocking_s, 4),
                            steps_during_write=spanned)
@@ -685,7 +585,7 @@ class Trainer:
             raise self._diverged()
         self._count_bad_samples()
         self._saved_step = self.progress.step
-        rng = _rng_state()
+        rng = rng_state()
         states = [None] * self.world_size if self.rank == 0 else None
         if self.distributed:
             dist.gather_object(rng, states, dst=0)
@@ -693,21 +593,13 @@ class Trainer:
             states = [rng]
         if self.rank == 0:
             progress = self.progress
-            history = [*progress.history, [self.attempt, self.first_step, progress.step]]
-            state = {
-                "signature": self._signature(),
-                "model": self.module.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict(),
-                "schedule": {"name": self.config.optim.schedule, "base_lr": self.config.optim.lr,
-                             "lr_scale": self.lr_scale, "lr": self.optimizer.param_groups[0]["lr"]},
-                "progress": {"epoch": progress.epoch, "offset": progress.offset, "step": progress.step,
-                             "history": history, "bad_samples": progress.bad_samples},
-                "rng": states,
-                "world_size": self.world_size,
-                "global_batch": self.global_batch,
-                "flops_per_sample": self.flops_per_sample,
-            }
+            state = TrainState(
+                signature=signature(self.config), model=self.module.state_dict(), optimizer=self.optimizer.state_dict(),
+                scaler=self.scaler.state_dict(), progress=progress.closing(self.attempt, self.first_step), rng=states,
+                flops_per_sample=self.flops_per_sample, world_size=self.world_size, global_batch=self.global_batch,
+                schedule={"name": self.config.optim.schedule, "base_lr": self.config.optim.lr,
+                          "lr_scale": self.lr_scale, "lr": self.optimizer.param_groups[0]["lr"]},
+            ).state_dict()
             asynchronous = self.checkpoints.async_save and not synchronous
             self.metrics.event("checkpoint_started", step=progress.step, reason=reason, asynchronous=asynchronous,
                                stop_budget_s=self.stop_budget_s)
@@ -737,6 +629,19 @@ class Trainer:
             log.error("the checkpoint write failed: %s", exc)
 
 
+@dataclass
+class _Run:
+    """One round's loop state, from :meth:`Trainer.run` to its end."""
+
+    first_step: int
+    flops_per_sample: float | None
+    paced_gc: bool  # train.gc_every_steps: the loop collects garbage itself, at step boundaries
+    started: float = field(default_factory=time.perf_counter)
+    window: "_Window | None" = None
+    last_loss: float | None = None
+    stopped: bool = False
+
+
 class _Window:
     """Sums over one logging interval, which starts and ends at points where the device was
     synchronized (the loop's start, each report)."""
@@ -758,96 +663,6 @@ class _Window:
     def elapsed(self) -> float:
         """Seconds since the window started; call after synchronizing the device."""
         return time.perf_counter() - self.started
-
-
-def should_compile(config: TrainConfig, device_kind: str) -> bool:
-    """model.compile, or by default: image models on a GPU (where compiled ResNets measure ~1.4x)."""
-    if config.model.compile is not None:
-        return config.model.compile
-    return device_kind == "cuda" and config.model.name in IMAGE_MODELS
-
-
-def compile_with_fallback(model: nn.Module, backend: str | Callable = "inductor") -> nn.Module:
-    """torch.compile, where a frame the compiler fails on runs eagerly (dynamo's suppress_errors)
-    and the log says so once, in one line, instead of the run ending."""
-    import torch._dynamo
-
-    torch._dynamo.config.suppress_errors = True
-    # torch 2.13 logs each suppressed failure as "WON'T CONVERT ..." with a traceback
-    # (torch/_dynamo/convert_frame.py); the reason is its last line.
-    logging.getLogger("torch._dynamo.convert_frame").addFilter(_CompileFallbackFilter())
-    return torch.compile(model, backend=backend)
-
-
-class _CompileFallbackFilter(logging.Filter):
-    """Turns dynamo's multi-line "WON'T CONVERT" warnings into one line of ours, said once."""
-
-    said = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if not message.startswith("WON'T CONVERT"):
-            return True
-        if not _CompileFallbackFilter.said:
-            _CompileFallbackFilter.said = True
-            reason = record.exc_info[1] if record.exc_info else message.strip().splitlines()[-1]
-            reason = str(reason).split("Set TORCHDYNAMO_VERBOSE")[0]
-            log.warning("torch.compile failed, so the model runs eagerly: %s", " ".join(reason.split())[:300])
-        return False
-
-
-def count_training_flops(config: TrainConfig) -> float | None:
-    """Forward+backward FLOPs per sample of ``config``'s model, on the meta device (two samples, so
-    BatchNorm in training mode has more than one value per channel even at 16 px)."""
-    model_config = config.model
-    with torch.device("meta"):
-        model = build_model(model_config.name, model_config.num_classes, model_config.image_size)
-        if model_config.is_masked_lm:
-            inputs = torch.zeros(2, config.data.seq_len, dtype=torch.long)
-            target = torch.zeros(2, config.data.seq_len, dtype=torch.long)
-        else:
-            inputs = torch.zeros(2, 3, model_config.image_size, model_config.image_size)
-            target = torch.zeros(2, dtype=torch.long)
-
-    def one_step() -> None:
-        # The same loss as training: for a masked LM, the vocabulary projection at the gathered
-        # positions only (their count does not depend on the labels' values, so meta can run it).
-        losses = per_sample_loss(model, inputs, target, model_config.is_masked_lm, config.data.masked_per_sequence)
-        losses.sum().backward()
-
-    return training_flops_per_sample(one_step, 2)
-
-
-def _rng_state() -> dict[str, Any]:
-    """Every generator's state as tensors and plain values, loadable with ``weights_only=True``."""
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    # Generators need a tensor of their own: a received state is a view into a broadcast bucket.
-    torch.set_rng_state(state["torch"].cpu().clone())
-    numpy = state["numpy"]
-    np.random.set_state((numpy["kind"], numpy["keys"].cpu().numpy().astype(np.uint32), numpy["position"],
-                         numpy["has_gauss"], numpy["cached_gaussian"]))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"].cpu().clone())
-
-
-def _seed_all(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
 
 
 def train(config: TrainConfig) -> TrainResult:
