@@ -5,10 +5,10 @@ node dies; the clock stops at the first step the survivor finishes afterwards. T
 what a pod runs (training/launcher/main.py launch_command: the platform-etcd rendezvous on etcd's v3
 API, forked workers). torchrun's own etcd-v2 backend is no longer compared: it needs python-etcd
 and etcd's v2 API, which the platform dropped (its figures, measured before: ~40 s with torch's
-defaults, ~7 s tuned; README). benchmarks/elastic_scale.py measures 2 to 16 agents.
+defaults, ~7 s tuned; docs/elasticity-and-checkpoints.md). benchmarks/elastic_scale.py measures 2 to 16 agents.
 
 Then one SIGTERM trial with the platform launcher (steps lost must be 0), and with --failures
-the failure drills (training/devtools/drills.py) whose costs the README's elasticity table shows.
+the failure drills (training/devtools/drills.py) whose costs docs/elasticity-and-checkpoints.md shows.
 
     python benchmarks/elastic_recovery.py [--trials 5] [--failures]   (--trials 0: the failure table alone)
 """

@@ -130,7 +130,7 @@ class NetworkConfig(StrictModel):
         # registry mirror for every chart and image the platform installs (NVIDIA, Volcano,
         # etcd, the autoscaler come from public registries) and the autoscaler's static
         # instance list. Half of that is a cluster whose nodes never become Ready, so the
-        # mode is refused rather than half-supported (README, "Private clusters").
+        # mode is refused rather than half-supported (docs/operations.md, "Private clusters").
         if v < 1:
             raise FieldProblem("", v, "1 or 2", "a cluster without NAT gateways (private mode) is not supported: "
                                "its nodes could not pull the platform's charts and images")

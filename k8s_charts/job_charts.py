@@ -120,7 +120,7 @@ def restricted_pod_security(uid: int = TRAINER_UID) -> tuple[dict, dict]:
 
 
 def nccl_environment(efa: bool, rdma: bool) -> dict[str, str]:
-    """NCCL over EFA (DESIGN.md); without EFA only the interface and error settings apply."""
+    """NCCL over EFA (docs/DESIGN.md, "NCCL over EFA"); without EFA only the interface and error settings apply."""
     env = {
         "NCCL_SOCKET_IFNAME": "^lo,docker,pod-id-link",
         # A failed or timed-out collective aborts the communicator and ends the worker, so its

@@ -56,7 +56,7 @@ class JobSpec(StrictModel):
     max_restarts: int = Field(default=100, ge=0)
     # Nodes that arrive while the job trains are admitted together, once it has trained this long
     # since its last (re)start: arrivals batch into one restart, and every restart is followed by
-    # progress (README, "Elasticity at scale"). 0 admits at once.
+    # progress (docs/elasticity-and-checkpoints.md, "Elasticity at scale"). 0 admits at once.
     scale_up_after_s: int = Field(default=int(PLATFORM_TUNING.scale_up_after_s), ge=0, le=3600)
     queue: K8sName | None = None  # default: the platform's queue (trainctl submit checks the cluster has it)
     priority_class: K8sName | None = None  # default: the platform's PriorityClass (likewise)

@@ -1,4 +1,4 @@
-"""The instance catalog against the facts table in DESIGN.md (EC2 and Neuron data), and against
+"""The instance catalog against the facts table in docs/DESIGN.md, "Instance facts" (EC2 and Neuron data), and against
 EC2's own DescribeInstanceTypes records as moto ships them."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Real agents (the pod's command, CPU, gloo) joining and leaving one job: the suite's small version
-of benchmarks/elastic_scale.py. Behaviour only; the figures are the benchmark's (README).
+of benchmarks/elastic_scale.py. Behaviour only; the figures are the benchmark's (docs/elasticity-and-checkpoints.md).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ ACCEPTED_CFN_LINT = [
         "W3010",
         None,
         "AZs are hard-coded on purpose: FSx for Lustre and every accelerated node group must share "
-        "the one compute AZ the config names (DESIGN.md, single AZ).",
+        "the one compute AZ the config names (docs/DESIGN.md, 'Single compute AZ').",
     ),
     (
         "W3005",

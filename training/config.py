@@ -59,7 +59,7 @@ class DataSection(StrictModel):
     # Where JPEGs (imagefolder) are decoded. loader: Pillow in the workers. device: the workers
     # only read the files; nvJPEG decodes each batch on the GPU (Pillow in the training process
     # on CPU). loader is the default: on an H100 with 12 workers it fed ResNet-50 at 0.98 of the
-    # bare loop, device at 0.52-0.66 (README, "Performance").
+    # bare loop, device at 0.52-0.66 (docs/performance.md).
     decode: Literal["loader", "device"] = "loader"
     # Samples that cannot be read (a corrupt JPEG, a truncated shard) are skipped, named in the
     # log and counted over the whole run; more than this ends it (exit 78).

@@ -69,7 +69,7 @@ REGROUP_IN_PLACE_ENV = "PLATFORM_REGROUP_IN_PLACE"
 @dataclass(frozen=True)
 class RendezvousTuning:
     """``--rdzv-conf`` of the ``platform-etcd`` rendezvous (training/launcher/rendezvous.py); chosen with
-    benchmarks/elastic_scale.py at 2 to 16 agents (README, "Elasticity at scale")."""
+    benchmarks/elastic_scale.py at 2 to 16 agents (docs/elasticity-and-checkpoints.md, "Elasticity at scale")."""
 
     # Liveness: a lease renewed this often; a dead node's key goes when the lease expires. etcd
     # raises a TTL to its minimum, 1 s with the platform's etcd flags (--heartbeat-interval=50

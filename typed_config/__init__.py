@@ -130,7 +130,7 @@ def _format_one(err: dict[str, Any], root: type[BaseModel], pattern_help: dict[s
     path = _path(loc)
     if kind == "extra_forbidden":
         parent = model_at(root, loc[:-1])
-        allowed = ", ".join(sorted(parent.model_fields)) if parent else "see the README's config reference"
+        allowed = ", ".join(sorted(parent.model_fields)) if parent else "see docs/config-reference.md"
         return f"{path}: unknown key; allowed keys here: {allowed}"
     if kind == "missing":
         return f"{path}: required key is missing"

@@ -4,7 +4,7 @@ Each drill runs real agents (``python -m training.launcher``, each its own proce
 pod is) against a real etcd, does to them what a cluster does (lose a node, drain one, lose
 etcd for a while, restart it with or without its data, replace a failed pod, restart the whole
 job, schedule a pod after the end), and returns what happened, measured. The tests assert on
-these records; ``benchmarks/elastic_recovery.py`` prints them as the README's cost table.
+these records; ``benchmarks/elastic_recovery.py`` prints them as the cost table in docs/elasticity-and-checkpoints.md.
 """
 
 from __future__ import annotations

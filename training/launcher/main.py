@@ -5,7 +5,7 @@ cluster and the tests build commands only with it): the platform's launcher, tor
 and ``-m training train``; the trainer's overrides are appended.
 
 ``python -m training.launcher`` is torchrun with four platform decisions (each measured with
-torch 2.13, real agents and a real etcd; see the README's elasticity section):
+torch 2.13, real agents and a real etcd; see docs/elasticity-and-checkpoints.md):
 
 - the ``platform-etcd`` rendezvous (:mod:`training.launcher.rendezvous`) on etcd's v3 API: leases for
   liveness, growth admitted in batches, shrink without a last call, etcd outages up to
