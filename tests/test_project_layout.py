@@ -185,3 +185,12 @@ def test_the_contract_loads_neither_torch_nor_cdk():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'aws_cdk', 'cdk8s', 'numpy'}))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_constructs_take_resources_and_facts_not_config_models():
+    """A construct's props are resources and plain facts (issue 34); the stacks translate the config.
+    From config/ a construct reads only the catalog's hardware facts and the pinned versions."""
+    graph = import_graph()
+    reads = {(source, target) for source, targets in graph.items() if source.split(".")[0] == "cdk_constructs"
+             for target in targets if target.split(".")[0] == "config"}
+    assert {target for _, target in reads} <= {"config.catalog", "config.versions"}, sorted(reads)
