@@ -17,6 +17,7 @@ from cdk_constructs.nag import acknowledge
 from cdk_constructs.pod_identity import PodIdentityRole
 from config.catalog import ACCELERATOR_LABEL, EFA_PRESENT_LABEL, NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
 from k8s_charts import volcano
+from k8s_charts.pods import Toleration
 
 EKS_CHARTS = "https://aws.github.io/eks-charts"
 SYSTEM_NODES = {NODE_ROLE_LABEL: SYSTEM_ROLE}
@@ -27,7 +28,7 @@ VOLCANO_DEFAULT_QUEUE = "default"
 
 
 def _tolerate(key: str) -> dict:
-    return {"key": key, "operator": "Exists", "effect": "NoSchedule"}
+    return Toleration(key).to_dict()
 
 
 def require_label(key: str, *values: str) -> dict:

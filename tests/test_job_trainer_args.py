@@ -92,7 +92,7 @@ def test_a_config_error_in_the_pod_exits_with_the_status_no_layer_retries():
     from k8s_charts.job_charts import job_policies
     from training.launch import EXIT_CONFIG, main
 
-    assert {"exitCode": EXIT_CONFIG, "action": "TerminateJob"} in job_policies()
+    assert {"exitCode": EXIT_CONFIG, "action": "TerminateJob"} in [policy.to_dict() for policy in job_policies()]
     argv = ["--nnodes=1", "--nproc-per-node=1", "-m", "training", "train", "--optim.lrr=0.1"]
     assert main(argv) == EXIT_CONFIG  # before any agent starts: torchrun has nothing to restart
 
