@@ -229,8 +229,7 @@ class _VolcanoJobChart(Chart):
         volumes, mounts = _shared_volumes(memory_gib)
         tls_volume, tls_mount = client_tls_volume()  # the rendezvous is mutual TLS
         efa = spec.efa_devices(config) > 0
-        env = {**nccl_environment(efa, rdma=instance.accelerator_model in ("A100", "H100", "H200", "Trainium",
-                                                                           "Trainium2")),
+        env = {**nccl_environment(efa, rdma=instance.efa_rdma),
                **cache_environment(spec, config), **LAUNCH_ENVIRONMENT, **client_tls_environment(),
                "OMP_NUM_THREADS": "1",
                **spot_environment(group), **(extra_env or {}), **spec.env}
