@@ -19,43 +19,40 @@ from constructs import Construct
 from cdk_constructs.autoscaled_size import AutoscaledSize, AutoscaledSizeProps
 from cdk_constructs.efa_launch_template import CapacityReservation, EfaLaunchTemplate, EfaLaunchTemplateProps
 from cdk_constructs.nag import account_in_finding, acknowledge
-from config import AcceleratedNodeGroupConfig
 from config.catalog import (
     ACCELERATED_ROLE, ACCELERATOR_LABEL, EFA_PRESENT_LABEL, GPU_TYPE_LABEL, INSTANCE_TYPE_LABEL, NODE_GROUP_LABEL,
-    NODE_ROLE_LABEL,
+    NODE_ROLE_LABEL, InstanceType,
 )
 
 CA_TEMPLATE = "k8s.io/cluster-autoscaler/node-template"
 
 
-def node_labels(group: AcceleratedNodeGroupConfig) -> dict[str, str]:
-    """Labels every node of the group carries (device plugins and jobs select on them)."""
-    instance = group.instance
+def node_labels(name: str, instance: InstanceType, efa: bool) -> dict[str, str]:
+    """Labels every node of group ``name`` carries (device plugins and jobs select on them)."""
     labels = {
         NODE_ROLE_LABEL: ACCELERATED_ROLE,
         ACCELERATOR_LABEL: instance.accelerator.value,
-        NODE_GROUP_LABEL: group.name,
-        EFA_PRESENT_LABEL: "true" if group.efa_enabled else "false",
+        NODE_GROUP_LABEL: name,
+        EFA_PRESENT_LABEL: "true" if efa else "false",
     }
     if instance.gpu_type:
         labels[GPU_TYPE_LABEL] = instance.gpu_type
     return labels
 
 
-def node_taint(group: AcceleratedNodeGroupConfig) -> tuple[str, str, str]:
+def node_taint(instance: InstanceType) -> tuple[str, str, str]:
     """(key, value, effect): only pods that tolerate the accelerator land on these nodes."""
-    return group.instance.taint_key, "true", "NoSchedule"
+    return instance.taint_key, "true", "NoSchedule"
 
 
-def autoscaler_template_tags(group: AcceleratedNodeGroupConfig) -> dict[str, str]:
+def autoscaler_template_tags(name: str, instance: InstanceType, efa: bool) -> dict[str, str]:
     """The Auto Scaling group tags cluster-autoscaler reads to model a node of an empty group."""
-    instance = group.instance
     tags = {f"{CA_TEMPLATE}/resources/{instance.accelerator_resource}": str(instance.accelerator_count)}
-    if group.efa_enabled:
+    if efa:
         tags[f"{CA_TEMPLATE}/resources/{instance.efa_resource}"] = str(instance.efa_interfaces)
-    labels = {**node_labels(group), INSTANCE_TYPE_LABEL: instance.name}
+    labels = {**node_labels(name, instance, efa), INSTANCE_TYPE_LABEL: instance.name}
     tags.update({f"{CA_TEMPLATE}/label/{key}": value for key, value in labels.items()})
-    key, value, effect = node_taint(group)
+    key, value, effect = node_taint(instance)
     tags[f"{CA_TEMPLATE}/taint/{key}"] = f"{value}:{effect}"
     return tags
 
@@ -63,51 +60,59 @@ def autoscaler_template_tags(group: AcceleratedNodeGroupConfig) -> dict[str, str
 @dataclass(frozen=True)
 class AcceleratedNodeGroupProps:
     cluster: eks.ICluster
-    group: AcceleratedNodeGroupConfig
     subnet: ec2.ISubnet  # the compute subnet, shared with FSx for Lustre
     node_role: iam.IRole
-    node_security_group: ec2.ISecurityGroup
+    node_security_group: ec2.ISecurityGroup  # EFA among the nodes, Lustre to the file system
+    name: str  # the nodes' group label: jobs, AutoscaledSize and cluster-autoscaler's template find them by it
+    instance: InstanceType  # the catalog's entry: launch template, AMI type, labels, taint, template tags
+    min_size: int
+    max_size: int
+    desired_size: int  # when the group is created; cluster-autoscaler owns it afterwards (AutoscaledSize)
+    efa: bool  # one EFA interface per network card (the instance must have EFA)
+    capacity_type: eks.CapacityType = eks.CapacityType.ON_DEMAND  # ON_DEMAND or SPOT
+    placement_group: bool = True  # a cluster placement group of the group's own
+    # Launch into reserved capacity; a Capacity Block makes the group's capacity type CAPACITY_BLOCK.
+    capacity_reservation: CapacityReservation | None = None
 
 
 class AcceleratedNodeGroup(Construct):
     def __init__(self, scope: Construct, id: str, props: AcceleratedNodeGroupProps) -> None:
         super().__init__(scope, id)
-        group, instance = props.group, props.group.instance
+        instance, reservation = props.instance, props.capacity_reservation
         placement_name = None
-        if group.placement_group:
+        if props.placement_group:
             placement = ec2.CfnPlacementGroup(self, "PlacementGroup", strategy="cluster")
             placement_name = placement.ref
-        reservation = group.capacity_reservation
         self.launch_template = EfaLaunchTemplate(self, "LaunchTemplate", EfaLaunchTemplateProps(
             instance=instance,
-            efa=group.efa_enabled,
+            efa=props.efa,
             security_group_ids=[props.node_security_group.security_group_id,
                                 props.cluster.cluster_security_group_id],
             placement_group_name=placement_name,
-            efa_only_secondary=group.efa_only_interfaces,
-            capacity_reservation=CapacityReservation(reservation.id, reservation.kind == "capacity_block")
-            if reservation else None,
+            efa_only_secondary=props.efa and instance.efa_only_secondary,
+            capacity_reservation=reservation,
         ))
         size = AutoscaledSize(self, "DesiredSize", AutoscaledSizeProps(
-            cluster=props.cluster, label_key=NODE_GROUP_LABEL, label_value=group.name,
-            min_size=group.min_size, max_size=group.max_size, initial_size=group.desired_size,
+            cluster=props.cluster, label_key=NODE_GROUP_LABEL, label_value=props.name,
+            min_size=props.min_size, max_size=props.max_size, initial_size=props.desired_size,
             generation=self.launch_template.version))
-        key, value, _ = node_taint(group)
-        capacity = "CAPACITY_BLOCK" if reservation and reservation.kind == "capacity_block" else group.capacity_type.value
+        key, value, _ = node_taint(instance)
+        block = reservation is not None and reservation.capacity_block
+        capacity = eks.CapacityType.CAPACITY_BLOCK if block else props.capacity_type
         self.nodegroup = eks.Nodegroup(
             self, "Nodegroup",
             cluster=props.cluster,
             ami_type=eks.NodegroupAmiType[instance.ami_type.upper()],
-            capacity_type=eks.CapacityType[capacity],
+            capacity_type=capacity,
             launch_template_spec=eks.LaunchTemplateSpec(
                 id=self.launch_template.launch_template_id, version=self.launch_template.version),
             subnets=ec2.SubnetSelection(subnets=[props.subnet]),
             node_role=props.node_role,
-            min_size=group.min_size, desired_size=size.desired_size, max_size=group.max_size,
-            labels=node_labels(group),
+            min_size=props.min_size, desired_size=size.desired_size, max_size=props.max_size,
+            labels=node_labels(props.name, instance, props.efa),
             taints=[eks.TaintSpec(key=key, value=value, effect=eks.TaintEffect.NO_SCHEDULE)],
         )
-        self._tag_auto_scaling_group(props.cluster, autoscaler_template_tags(group))
+        self._tag_auto_scaling_group(props.cluster, autoscaler_template_tags(props.name, instance, props.efa))
 
     def _tag_auto_scaling_group(self, cluster: eks.ICluster, tags: dict[str, str]) -> None:
         stack = Stack.of(self)

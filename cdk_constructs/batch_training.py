@@ -11,7 +11,9 @@ Lustre User Guide ("Installing the Lustre client": ``dnf install lustre-client``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from typing import Mapping, Sequence
 
 from aws_cdk import Fn, RemovalPolicy, Stack, aws_batch as batch, aws_ec2 as ec2, aws_iam as iam, aws_logs as logs
 from constructs import Construct
@@ -19,7 +21,7 @@ from constructs import Construct
 from cdk_constructs.efa_launch_template import EfaLaunchTemplate, EfaLaunchTemplateProps
 from cdk_constructs.lustre import LustreVolume
 from cdk_constructs.nag import acknowledge
-from config import AcceleratedNodeGroupConfig
+from config.catalog import InstanceType
 from training.contract import batch_launch_command
 
 FSX_MOUNT = "/fsx"
@@ -44,25 +46,30 @@ RETRY_ON = [
 @dataclass(frozen=True)
 class BatchTrainingProps:
     name: str  # the queue, compute environment and job definition name
-    group: AcceleratedNodeGroupConfig
+    instance: InstanceType  # the catalog's entry: instance type, vCPUs, memory, GPUs, EFA interfaces
+    max_nodes: int  # the job definition's nodes, and the compute environment's vCPUs in instances
+    efa: bool  # one EFA interface per network card, and their devices in the container
     subnet: ec2.ISubnet
-    security_groups: list[ec2.ISecurityGroup]  # the node group's (EFA, FSx clients) and one with egress
+    security_groups: Sequence[ec2.ISecurityGroup]  # the node group's (EFA, FSx clients) and one with egress
     file_system: LustreVolume
     repository_uri: str
     log_group: logs.ILogGroup
     attempts: int
+    spot: bool = False  # a Spot compute environment instead of On-Demand
+    instance_tags: Mapping[str, str] = field(default_factory=dict)  # on every instance the environment launches
 
 
 class BatchTraining(Construct):
     def __init__(self, scope: Construct, id: str, props: BatchTrainingProps) -> None:
         super().__init__(scope, id)
-        group, instance = props.group, props.group.instance
+        instance = props.instance
         self.placement_group = ec2.CfnPlacementGroup(self, "PlacementGroup", strategy="cluster")
         template = EfaLaunchTemplate(self, "LaunchTemplate", EfaLaunchTemplateProps(
-            instance=instance, efa=group.efa_enabled,
+            instance=instance, efa=props.efa,
             security_group_ids=[sg.security_group_id for sg in props.security_groups],
             placement_group_name=None,  # the compute environment places its instances
-            efa_only_secondary=group.efa_only_interfaces, user_data=lustre_user_data(props.file_system)))
+            efa_only_secondary=props.efa and instance.efa_only_secondary,
+            user_data=lustre_user_data(props.file_system)))
 
         self.instance_role = instance_role = iam.Role(self, "InstanceRole", assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
                                  description=f"Batch {props.name} instances: the ECS agent, image pulls, awslogs")
@@ -77,16 +84,15 @@ class BatchTraining(Construct):
         self.compute_environment = batch.CfnComputeEnvironment(
             self, "ComputeEnvironment", type="MANAGED", state="ENABLED",
             compute_resources=batch.CfnComputeEnvironment.ComputeResourcesProperty(
-                type="SPOT" if group.capacity_type.value == "SPOT" else "EC2",
-                allocation_strategy="BEST_FIT_PROGRESSIVE" if group.capacity_type.value != "SPOT"
-                else "SPOT_PRICE_CAPACITY_OPTIMIZED",
-                minv_cpus=0, desiredv_cpus=0, maxv_cpus=group.max_size * vcpus,
+                type="SPOT" if props.spot else "EC2",
+                allocation_strategy="SPOT_PRICE_CAPACITY_OPTIMIZED" if props.spot else "BEST_FIT_PROGRESSIVE",
+                minv_cpus=0, desiredv_cpus=0, maxv_cpus=props.max_nodes * vcpus,
                 instance_types=[instance.name], subnets=[props.subnet.subnet_id],
                 instance_role=profile.attr_arn, placement_group=self.placement_group.ref,
                 launch_template=batch.CfnComputeEnvironment.LaunchTemplateSpecificationProperty(
                     launch_template_id=template.launch_template_id, version=template.version),
                 ec2_configuration=[batch.CfnComputeEnvironment.Ec2ConfigurationObjectProperty(image_type=IMAGE_TYPE)],
-                tags={"platform-batch-group": group.name},
+                tags=dict(props.instance_tags) or None,
             ),
             replace_compute_environment=False,
         )
@@ -98,9 +104,9 @@ class BatchTraining(Construct):
             self, "JobDefinition", job_definition_name=props.name, type="multinode",
             platform_capabilities=["EC2"], propagate_tags=True,
             node_properties=batch.CfnJobDefinition.NodePropertiesProperty(
-                main_node=0, num_nodes=group.max_size,
+                main_node=0, num_nodes=props.max_nodes,
                 node_range_properties=[batch.CfnJobDefinition.NodeRangePropertyProperty(
-                    target_nodes="0:", container=container_properties(group, props))]),
+                    target_nodes="0:", container=container_properties(props))]),
             retry_strategy=batch.CfnJobDefinition.RetryStrategyProperty(
                 attempts=props.attempts,
                 evaluate_on_exit=[batch.CfnJobDefinition.EvaluateOnExitProperty(
@@ -109,13 +115,12 @@ class BatchTraining(Construct):
                     for rule in RETRY_ON]))
 
 
-def container_properties(group: AcceleratedNodeGroupConfig, props: BatchTrainingProps
-                         ) -> batch.CfnJobDefinition.ContainerPropertiesProperty:
+def container_properties(props: BatchTrainingProps) -> batch.CfnJobDefinition.ContainerPropertiesProperty:
     """The trainer's container on every node: its command, devices, mounts and limits."""
-    instance = group.instance
+    instance = props.instance
     P = batch.CfnJobDefinition
     memory_mib = int(instance.memory_gib * 1024 * (1 - RESERVED_MEMORY_FRACTION))
-    efa = instance.efa_interfaces if group.efa_enabled else 0
+    efa = instance.efa_interfaces if props.efa else 0
     environment = {"NCCL_SOCKET_IFNAME": "^lo,docker", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
                    "OMP_NUM_THREADS": "1"}
     if efa:

@@ -8,16 +8,16 @@ at its pinned tag (tests/upstream_charts.py holds those facts and the tests hold
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import AbstractSet, Any
 
 from aws_cdk import Duration, aws_eks_v2 as eks, aws_iam as iam
 from constructs import Construct, IConstruct
 
 from cdk_constructs.nag import acknowledge
 from cdk_constructs.pod_identity import PodIdentityRole
-from config import PlatformConfig
 from config.catalog import ACCELERATOR_LABEL, EFA_PRESENT_LABEL, NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
 from k8s_charts import volcano
+from k8s_charts.pods import Toleration
 
 EKS_CHARTS = "https://aws.github.io/eks-charts"
 SYSTEM_NODES = {NODE_ROLE_LABEL: SYSTEM_ROLE}
@@ -28,7 +28,7 @@ VOLCANO_DEFAULT_QUEUE = "default"
 
 
 def _tolerate(key: str) -> dict:
-    return {"key": key, "operator": "Exists", "effect": "NoSchedule"}
+    return Toleration(key).to_dict()
 
 
 def require_label(key: str, *values: str) -> dict:
@@ -49,26 +49,44 @@ def nulls(values: Any, path: str = "") -> list[str]:
 
 
 @dataclass(frozen=True)
+class ChartVersions:
+    """The pinned version of each upstream chart."""
+
+    volcano: str
+    cert_manager: str
+    cluster_autoscaler: str
+    nvidia_device_plugin: str
+    neuron: str
+    efa_device_plugin: str
+
+
+@dataclass(frozen=True)
 class ClusterChartsProps:
-    cluster: eks.Cluster
-    config: PlatformConfig
+    cluster: eks.ICluster
+    # The cluster's name as a literal: it appears in IAM condition keys and cluster-autoscaler's
+    # auto-discovery tag, where the cluster's own name token would not do.
+    cluster_name: str
+    region: str  # cluster-autoscaler's AWS region
+    versions: ChartVersions
     system_nodes: IConstruct  # controllers are installed once their nodes exist
+    scale_down_idle_minutes: int  # cluster-autoscaler removes a node unneeded this long
+    # The accelerator families of the node groups: each gets its device plugin.
+    accelerators: AbstractSet[Accelerator] = frozenset()
+    efa: bool = False  # some node group has EFA: the EFA device plugin
 
 
 class ClusterCharts(Construct):
     def __init__(self, scope: Construct, id: str, props: ClusterChartsProps) -> None:
         super().__init__(scope, id)
-        self._cluster, config = props.cluster, props.config
-        self._cluster_name = config.name_prefix  # literal: it appears in IAM condition keys
+        self._cluster, self._cluster_name = props.cluster, props.cluster_name
         # Release name -> the values given to Helm (the tests read them).
         self.releases: dict[str, dict] = {}
-        versions = config.versions
-        families = {g.instance.accelerator for g in config.accelerated_node_groups}
+        versions, families = props.versions, props.accelerators
         # DaemonSet name -> its chart; each is checked after deploy (see _check_device_plugins).
         plugins: dict[str, eks.HelmChart] = {}
         if Accelerator.NVIDIA in families:
             plugins["nvidia-device-plugin"] = self._chart("NvidiaDevicePlugin", "nvidia-device-plugin", "https://nvidia.github.io/k8s-device-plugin",
-                        versions.nvidia_device_plugin_chart, "kube-system", {
+                        versions.nvidia_device_plugin, "kube-system", {
                             # Chart 0.17.1's default affinity requires NFD's PCI labels, which EKS managed
                             # nodes never carry (deployments/helm/nvidia-device-plugin/values.yaml, v0.17.1).
                             # A null cannot remove it (CDK drops nulls); Helm replaces lists, so this term
@@ -81,7 +99,7 @@ class ClusterCharts(Construct):
             # Chart 1.1.2 keeps its own affinity (instance type among its Neuron types, not Fargate,
             # hybrid or Auto Mode); our selector narrows it to the platform's Neuron groups.
             plugins["neuron-device-plugin"] = self._chart("Neuron", "neuron-helm-chart", "oci://public.ecr.aws/neuron/neuron-helm-chart",
-                        versions.neuron_chart, "kube-system", {
+                        versions.neuron, "kube-system", {
                             "npd": {"enabled": False},
                             "devicePlugin": {"enabled": True,
                                              "nodeSelector": {ACCELERATOR_LABEL: Accelerator.NEURON.value},
@@ -89,24 +107,24 @@ class ClusterCharts(Construct):
                             # Off (the chart's default too): jobs are placed by Volcano.
                             "scheduler": {"enabled": False},
                         })
-        if any(g.efa_enabled for g in config.accelerated_node_groups):
+        if props.efa:
             # The chart's template adds a required affinity on its list of EFA instance types.
             plugins["aws-efa-k8s-device-plugin"] = self._chart("EfaDevicePlugin", "aws-efa-k8s-device-plugin", EKS_CHARTS,
-                        versions.efa_device_plugin_chart, "kube-system", {
+                        versions.efa_device_plugin, "kube-system", {
                             "nodeSelector": {EFA_PRESENT_LABEL: "true"},
                             "tolerations": [_tolerate("nvidia.com/gpu"), _tolerate("aws.amazon.com/neuron")],
                         })
-        self.volcano = self._volcano(config, props.system_nodes)
+        self.volcano = self._volcano(versions.volcano, props.system_nodes)
         # Issues and renews etcd's certificates (k8s_charts/platform_charts.py, EtcdCertificatesChart).
         # With wait: its webhook admits Certificates only once it serves. global.nodeSelector reaches
         # the controller, webhook, cainjector and the start-up check (values.yaml, v1.20.3).
         self.cert_manager = self._chart("CertManager", "cert-manager", "https://charts.jetstack.io",
-                                        versions.cert_manager_chart, "cert-manager", {
+                                        versions.cert_manager, "cert-manager", {
                                             "crds": {"enabled": True, "keep": True},
                                             "global": {"nodeSelector": SYSTEM_NODES},
                                         }, wait=True)
         self.cert_manager.node.add_dependency(props.system_nodes)
-        self._autoscaler(config, props.system_nodes)
+        self._autoscaler(props)
         self.device_plugin_checks = self._check_device_plugins(plugins)
 
     def _check_device_plugins(self, plugins: dict[str, eks.HelmChart]) -> list[eks.KubernetesObjectValue]:
@@ -136,7 +154,7 @@ class ClusterCharts(Construct):
                                             release=chart, namespace=namespace, create_namespace=True, values=values,
                                             wait=wait, timeout=Duration.minutes(15))
 
-    def _volcano(self, config: PlatformConfig, system_nodes: IConstruct) -> IConstruct:
+    def _volcano(self, version: str, system_nodes: IConstruct) -> IConstruct:
         """Volcano on system nodes, installed with wait; done once its admission webhooks admit queues.
 
         The chart's webhooks fail closed (failurePolicy: Fail, templates/webhooks.yaml, v1.15.1)
@@ -144,7 +162,7 @@ class ClusterCharts(Construct):
         webhook server serves would roll the stack back.
         """
         chart = self._chart("Volcano", "volcano", "https://volcano-sh.github.io/helm-charts",
-                            config.versions.volcano_chart, "volcano-system",
+                            version, "volcano-system",
                             volcano.helm_values(SYSTEM_NODES), wait=True)
         chart.node.add_dependency(system_nodes)
         serving = eks.KubernetesObjectValue(
@@ -154,7 +172,7 @@ class ClusterCharts(Construct):
         serving.node.add_dependency(chart)
         return serving
 
-    def _autoscaler(self, config: PlatformConfig, system_nodes: IConstruct) -> None:
+    def _autoscaler(self, props: ClusterChartsProps) -> None:
         """cluster-autoscaler of the cluster's minor, allowed to resize only this cluster's node groups."""
         sa = "cluster-autoscaler"
         role = PodIdentityRole(self, "AutoscalerIdentity", cluster=self._cluster, namespace="kube-system",
@@ -176,11 +194,11 @@ class ClusterCharts(Construct):
         acknowledge(role.role, "IAM5", "The Describe* calls cluster-autoscaler makes have no resource-level "
                     "permissions; the two that change capacity are limited by a condition to groups tagged as "
                     "owned by this cluster", finding="Resource::*")
-        minutes = f"{config.cluster.scale_down_idle_minutes}m"
+        minutes = f"{props.scale_down_idle_minutes}m"
         chart = self._chart("ClusterAutoscaler", "cluster-autoscaler", "https://kubernetes.github.io/autoscaler",
-                            config.cluster_autoscaler_chart, "kube-system", {
+                            props.versions.cluster_autoscaler, "kube-system", {
                                 "autoDiscovery": {"clusterName": self._cluster_name},
-                                "awsRegion": config.region,
+                                "awsRegion": props.region,
                                 "rbac": {"serviceAccount": {"create": True, "name": sa}},
                                 "nodeSelector": SYSTEM_NODES,
                                 "extraArgs": {
@@ -191,4 +209,4 @@ class ClusterCharts(Construct):
                                     "expander": "least-waste",
                                 },
                             })
-        chart.node.add_dependency(system_nodes)
+        chart.node.add_dependency(props.system_nodes)

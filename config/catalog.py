@@ -75,6 +75,10 @@ class InstanceType:
     efa_only_secondary: bool = False
     # Sold as EC2 Capacity Blocks for ML (nodegroup capacity type CAPACITY_BLOCK).
     capacity_blocks: bool = False
+    # EFA reads and writes the accelerators' memory directly (RDMA read/write: libfabric's
+    # FI_EFA_USE_DEVICE_RDMA): A100, H100 and H200 GPUs, Trainium and Trainium2. A fact of the
+    # accelerator, so a type without EFA interfaces may carry it; it matters only where EFA is on.
+    efa_rdma: bool = False
     # Each vCPU is one hardware thread of a core (EC2 User Guide, "CPU options"); every type here
     # runs two per core by default (DescribeInstanceTypes VCpuInfo.DefaultThreadsPerCore). So a
     # p4d's 12 vCPUs per A100 are 6 cores, which matters for CPU-bound work such as JPEG decoding.
@@ -121,16 +125,16 @@ class InstanceType:
         return f"nvidia-{self.accelerator_model.lower()}"
 
 
-def _gpu(name, model, count, mem_gib, vcpus, memory_gib, efa, efa_only=False, blocks=False):
+def _gpu(name, model, count, mem_gib, vcpus, memory_gib, efa, efa_only=False, blocks=False, rdma=False):
     return InstanceType(name, Accelerator.NVIDIA, model, count, mem_gib, vcpus, memory_gib, efa, count,
-                        efa_only_secondary=efa_only, capacity_blocks=blocks)
+                        efa_only_secondary=efa_only, capacity_blocks=blocks, efa_rdma=rdma)
 
 
 def _neuron(name, model, devices, mem_gib, vcpus, memory_gib, efa, cores_per_device, efa_only=False, blocks=False):
-    # torchrun starts one process per (logical) NeuronCore.
+    # torchrun starts one process per (logical) NeuronCore. Every Trainium generation takes EFA RDMA.
     return InstanceType(
         name, Accelerator.NEURON, model, devices, mem_gib, vcpus, memory_gib, efa, devices * cores_per_device,
-        efa_only_secondary=efa_only, capacity_blocks=blocks,
+        efa_only_secondary=efa_only, capacity_blocks=blocks, efa_rdma=True,
     )
 
 
@@ -143,11 +147,11 @@ CATALOG: dict[str, InstanceType] = {
     for t in (
         _gpu("p3.8xlarge", "V100", 4, 16, 32, 244, efa=0),
         _gpu("p3dn.24xlarge", "V100", 8, 32, 96, 768, efa=1),
-        _gpu("p4d.24xlarge", "A100", 8, 40, 96, 1152, efa=4, blocks=True),
-        _gpu("p4de.24xlarge", "A100", 8, 80, 96, 1152, efa=4),
-        _gpu("p5.48xlarge", "H100", 8, 80, 192, 2048, efa=32, efa_only=True, blocks=True),
-        _gpu("p5e.48xlarge", "H200", 8, 141, 192, 2048, efa=32, efa_only=True, blocks=True),
-        _gpu("p5en.48xlarge", "H200", 8, 141, 192, 2048, efa=16, efa_only=True, blocks=True),
+        _gpu("p4d.24xlarge", "A100", 8, 40, 96, 1152, efa=4, blocks=True, rdma=True),
+        _gpu("p4de.24xlarge", "A100", 8, 80, 96, 1152, efa=4, rdma=True),
+        _gpu("p5.48xlarge", "H100", 8, 80, 192, 2048, efa=32, efa_only=True, blocks=True, rdma=True),
+        _gpu("p5e.48xlarge", "H200", 8, 141, 192, 2048, efa=32, efa_only=True, blocks=True, rdma=True),
+        _gpu("p5en.48xlarge", "H200", 8, 141, 192, 2048, efa=16, efa_only=True, blocks=True, rdma=True),
         _gpu("g5.xlarge", "A10G", 1, 24, 4, 16, efa=0),
         _gpu("g5.12xlarge", "A10G", 4, 24, 48, 192, efa=1),
         _gpu("g5.48xlarge", "A10G", 8, 24, 192, 768, efa=1),

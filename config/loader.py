@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from config.model import PlatformConfig
+from config.model import K8S_NAME_HELP, K8S_NAME_PATTERN, PlatformConfig
 from typed_config import ConfigError, exit_on_config_error, read_yaml_mapping, validate
 
 DEFAULT_CONFIG = "config/example.yaml"
@@ -16,7 +16,7 @@ _PATTERN_HELP = {
     r"^\d{12}$": "a 12-digit AWS account id, quoted, e.g. '123456789012'",
     r"^[a-z]{2}(-[a-z]+)+-\d$": "an AWS region name, e.g. us-west-2",
     r"^v?\d+\.\d+\.\d+$": "an exact version, e.g. 1.2.3",
-    r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$": "a Kubernetes name: lowercase letters, digits and '-', at most 63",
+    K8S_NAME_PATTERN: K8S_NAME_HELP,
     r"^[\w.-]+/[\w.-]+$": "owner/repository, e.g. my-org/training-platform",
     r"^v\d+\.\d+\.\d+-eksbuild\.\d+$": "an EKS add-on version, e.g. v1.21.1-eksbuild.7",
     r"^cr-[0-9a-f]{17}$": "a capacity reservation id, e.g. cr-0123456789abcdef0",

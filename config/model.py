@@ -402,7 +402,10 @@ class VersionsConfig(StrictModel):
         return v
 
 
-K8sName = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
+# A Kubernetes object name (RFC 1123 label), for the config and the job spec alike.
+K8S_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+K8S_NAME_HELP = "a Kubernetes name: lowercase letters, digits and '-', at most 63"
+K8sName = Annotated[str, Field(pattern=K8S_NAME_PATTERN)]
 
 
 class QueueConfig(StrictModel):

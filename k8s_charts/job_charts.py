@@ -15,6 +15,10 @@ from k8s_charts.objects import checkov_skips, k8s_object
 from k8s_charts.platform_charts import (
     FSX_CLAIM, TRAINER_SERVICE_ACCOUNT, client_tls_volume, etcd_endpoint,
 )
+from k8s_charts.pods import (
+    ONE_OFF_POD_FIELDS, SAFE_TO_EVICT, TRAINING_POD_FIELDS, PodTemplate, Toleration, lost_node_tolerations,
+)
+from k8s_charts.volcano import Action, Event, LifecyclePolicy, VolcanoJob, VolcanoTask
 from training.contract import (
     EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, LAUNCH_ENVIRONMENT, PLATFORM_TUNING,
     SPOT_NOTICE_ENV, TRAINER_MODULE, client_tls_environment, launch_command,
@@ -44,9 +48,6 @@ JOB_VERSION_ANNOTATION = "volcano.sh/job-version"
 # field holds. Crash loops are bounded where progress is known: the agent's progress-aware
 # --max-restarts, then EXIT_CRASH_LOOP (training/contract.py, training/launcher/main.py).
 VOLCANO_MAX_RETRY = 2**31 - 1
-# The pod annotation cluster-autoscaler honours: it never removes a node that runs such a pod
-# for consolidation (a training pod on a half-used node would otherwise be evicted to pack nodes).
-SAFE_TO_EVICT = {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
 # The trainer images' user (training/docker/Dockerfile.*): the pods run as it, never as root.
 # Above 10000, so it matches no user of the node's own.
 TRAINER_UID = 10001
@@ -78,7 +79,7 @@ WRITABLE_DIRS_SKIPS = {
 }
 
 
-def job_policies() -> list[dict]:
+def job_policies() -> list[LifecyclePolicy]:
     """What Volcano v1.15.1's job controller does when a pod of the job ends (pkg/controllers/job).
 
     The controller takes the first policy in list order whose event or exit code matches
@@ -98,18 +99,18 @@ def job_policies() -> list[dict]:
       survivors go on at N-1 through the rendezvous, and the replacement joins them.
     """
     return [
-        {"exitCode": EXIT_CONFIG, "action": "TerminateJob"},
-        {"exitCode": EXIT_DIVERGED, "action": "TerminateJob"},
-        {"exitCode": EXIT_CRASH_LOOP, "action": "TerminateJob"},
-        {"exitCode": EXIT_RESTART_JOB, "action": "RestartJob"},
-        {"exitCode": EXIT_STOPPED, "action": "ResumeJob"},
-        {"event": "PodFailed", "action": "RestartPod"},
+        LifecyclePolicy(Action.TERMINATE_JOB, exit_code=EXIT_CONFIG),
+        LifecyclePolicy(Action.TERMINATE_JOB, exit_code=EXIT_DIVERGED),
+        LifecyclePolicy(Action.TERMINATE_JOB, exit_code=EXIT_CRASH_LOOP),
+        LifecyclePolicy(Action.RESTART_JOB, exit_code=EXIT_RESTART_JOB),
+        LifecyclePolicy(Action.RESUME_JOB, exit_code=EXIT_STOPPED),
+        LifecyclePolicy(Action.RESTART_POD, events=[Event.POD_FAILED]),
     ]
 
 
-def nccl_check_policies() -> list[dict]:
+def nccl_check_policies() -> list[LifecyclePolicy]:
     """The NCCL check runs once: any failed or deleted pod ends it, and no retry is left to take."""
-    return [{"events": ["PodFailed", "PodEvicted"], "action": "TerminateJob"}]
+    return [LifecyclePolicy(Action.TERMINATE_JOB, events=[Event.POD_FAILED, Event.POD_EVICTED])]
 
 
 def restricted_pod_security(uid: int = TRAINER_UID) -> tuple[dict, dict]:
@@ -218,7 +219,7 @@ class _VolcanoJobChart(Chart):
     """A Volcano Job of min..max identical pods, one per node, running torchrun."""
 
     def __init__(self, scope: Construct, id: str, config: PlatformConfig, spec: JobSpec, name: str,
-                 trainer: list[str], policies: list[dict], max_retry: int, writable_dirs: list[str] = (),
+                 trainer: list[str], policies: list[LifecyclePolicy], max_retry: int, writable_dirs: list[str] = (),
                  extra_env: dict[str, str] | None = None):
         super().__init__(scope, id)
         group = spec.group(config)
@@ -228,8 +229,7 @@ class _VolcanoJobChart(Chart):
         volumes, mounts = _shared_volumes(memory_gib)
         tls_volume, tls_mount = client_tls_volume()  # the rendezvous is mutual TLS
         efa = spec.efa_devices(config) > 0
-        env = {**nccl_environment(efa, rdma=instance.accelerator_model in ("A100", "H100", "H200", "Trainium",
-                                                                           "Trainium2")),
+        env = {**nccl_environment(efa, rdma=instance.efa_rdma),
                **cache_environment(spec, config), **LAUNCH_ENVIRONMENT, **client_tls_environment(),
                "OMP_NUM_THREADS": "1",
                **spot_environment(group), **(extra_env or {}), **spec.env}
@@ -251,52 +251,38 @@ class _VolcanoJobChart(Chart):
         }
         init_containers = [writable_dirs_container(spec.image, writable_dirs, mounts)] if writable_dirs else []
         skips = {**WORKER_SKIPS, **(WRITABLE_DIRS_SKIPS if writable_dirs else {}), **VOLCANO_LAYOUT_SKIPS}
-        k8s_object(self, "job", api_version="batch.volcano.sh/v1alpha1", kind="Job",
-                  metadata={"name": name, "namespace": config.jobs.namespace, "labels": labels,
-                            "annotations": checkov_skips(skips)},
-                  spec={
-                      "schedulerName": "volcano",
-                      "queue": spec.queue or config.jobs.queue.name,
-                      "priorityClassName": spec.priority_class or config.jobs.priority_class.name,
-                      "minAvailable": spec.min_nodes,
-                      # Training ended as soon as one pod succeeds: every agent of the final round exits
-                      # 0 after the final checkpoint, and pods still waiting for a node must not keep
-                      # the job Running (pkg/controllers/job/state/running.go, v1.15.1).
-                      "minSuccess": 1,
-                      "maxRetry": max_retry,
-                      "ttlSecondsAfterFinished": config.jobs.ttl_seconds_after_finished,
-                      # No plugins: the rendezvous is etcd's, so nothing needs svc's hostnames or env's
-                      # VC_TASK_INDEX, and every RestartPod would delete and recreate svc's ConfigMap,
-                      # Service and NetworkPolicy (killPods runs each plugin's OnJobDelete,
-                      # job_controller_actions.go, v1.15.1): a pod starting meanwhile fails to mount them.
-                      "policies": policies,
-                      "tasks": [{
-                          "name": "worker",
-                          "replicas": spec.max_nodes,
-                          "minAvailable": spec.min_nodes,
-                          "template": {
-                              "metadata": {"labels": labels, "annotations": dict(SAFE_TO_EVICT)},
-                              "spec": {
-                                  "restartPolicy": "Never",
-                                  "serviceAccountName": TRAINER_SERVICE_ACCOUNT,
-                                  # Nothing in the pod calls the Kubernetes API.
-                                  "automountServiceAccountToken": False,
-                                  "securityContext": pod_security,
-                                  "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
-                                  "nodeSelector": {INSTANCE_TYPE_LABEL: instance.name},
-                                  "tolerations": [
-                                      {"key": instance.taint_key, "operator": "Exists", "effect": "NoSchedule"},
-                                      *({"key": key, "operator": "Exists", "effect": "NoExecute",
-                                         "tolerationSeconds": LOST_NODE_TOLERATION_SECONDS}
-                                        for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")),
-                                  ],
-                                  "initContainers": init_containers,
-                                  "containers": [container],
-                                  "volumes": [*volumes, tls_volume],
-                              },
-                          },
-                      }],
-                  })
+        pod = PodTemplate(
+            labels=labels, annotations=dict(SAFE_TO_EVICT),
+            restart_policy="Never",
+            service_account=TRAINER_SERVICE_ACCOUNT,
+            security_context=pod_security,
+            termination_grace_period_seconds=TERMINATION_GRACE_SECONDS,
+            node_selector={INSTANCE_TYPE_LABEL: instance.name},
+            tolerations=[Toleration(instance.taint_key), *lost_node_tolerations(LOST_NODE_TOLERATION_SECONDS)],
+            init_containers=init_containers,
+            containers=[container],
+            volumes=[*volumes, tls_volume],
+            fields=TRAINING_POD_FIELDS,
+        )
+        job = VolcanoJob(
+            queue=spec.queue or config.jobs.queue.name,
+            priority_class=spec.priority_class or config.jobs.priority_class.name,
+            min_available=spec.min_nodes,
+            # Training ended as soon as one pod succeeds: every agent of the final round exits
+            # 0 after the final checkpoint, and pods still waiting for a node must not keep
+            # the job Running (pkg/controllers/job/state/running.go, v1.15.1).
+            min_success=1,
+            max_retry=max_retry,
+            ttl_seconds_after_finished=config.jobs.ttl_seconds_after_finished,
+            # No plugins: the rendezvous is etcd's, so nothing needs svc's hostnames or env's
+            # VC_TASK_INDEX, and every RestartPod would delete and recreate svc's ConfigMap,
+            # Service and NetworkPolicy (killPods runs each plugin's OnJobDelete,
+            # job_controller_actions.go, v1.15.1): a pod starting meanwhile fails to mount them.
+            policies=policies,
+            tasks=[VolcanoTask("worker", replicas=spec.max_nodes, min_available=spec.min_nodes, template=pod)],
+        )
+        job.add_to(self, "job", metadata={"name": name, "namespace": config.jobs.namespace, "labels": labels,
+                                         "annotations": checkov_skips(skips)})
 
 
 def writable_dirs_container(image: str, directories: list[str], mounts: list[dict]) -> dict:
@@ -357,34 +343,32 @@ class DataPrepChart(Chart):
         skips = {**PINNED_IMAGE_SKIPS, "CKV_K8S_23": root, "CKV_K8S_40": root, "CKV_K8S_25": root,
                  "CKV_K8S_11": "no CPU limit: a one-off job on a system node, bounded by its memory limit and "
                                "its request"}
+        # Root, because it rearranges what the data repository imported as root's; only the
+        # capabilities that moving files in that tree needs.
+        container = {
+            "name": "prepare",
+            "image": image,
+            "command": ["python", "-m", TRAINER_MODULE, "prepare-imagenet", dataset_path,
+                        "--labels", f"{dataset_path}/{labels_file}"],
+            "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
+            "volumeMounts": [*mounts, {"name": "tmp", "mountPath": "/tmp"}],
+            "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                                "readOnlyRootFilesystem": True,
+                                "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "DAC_OVERRIDE", "FOWNER"]}},
+        }
+        pod = PodTemplate(
+            restart_policy="Never",
+            service_account=TRAINER_SERVICE_ACCOUNT,
+            node_selector={NODE_ROLE_LABEL: SYSTEM_ROLE},
+            security_context={"seccompProfile": {"type": "RuntimeDefault"}},
+            containers=[container],
+            volumes=[*volumes, {"name": "tmp", "emptyDir": {}}],
+            fields=ONE_OFF_POD_FIELDS,
+        )
         k8s_object(self, "job", api_version="batch/v1", kind="Job",
-                  metadata={"name": "prepare-imagenet", "namespace": config.jobs.namespace,
-                            "labels": {"app.kubernetes.io/name": "prepare-imagenet",
-                                       "app.kubernetes.io/part-of": "training-platform"},
-                            "annotations": checkov_skips(skips)},
-                  spec={
-                      "backoffLimit": 2,
-                      "ttlSecondsAfterFinished": config.jobs.ttl_seconds_after_finished,
-                      "template": {"spec": {
-                          "restartPolicy": "Never",
-                          "serviceAccountName": TRAINER_SERVICE_ACCOUNT,
-                          "automountServiceAccountToken": False,
-                          "nodeSelector": {NODE_ROLE_LABEL: SYSTEM_ROLE},
-                          # Root, because it rearranges what the data repository imported as root's;
-                          # only the capabilities that moving files in that tree needs.
-                          "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-                          "containers": [{
-                              "name": "prepare",
-                              "image": image,
-                              "command": ["python", "-m", TRAINER_MODULE, "prepare-imagenet", dataset_path,
-                                          "--labels", f"{dataset_path}/{labels_file}"],
-                              "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
-                              "volumeMounts": [*mounts, {"name": "tmp", "mountPath": "/tmp"}],
-                              "securityContext": {"runAsUser": 0, "runAsNonRoot": False,
-                                                  "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                                  "capabilities": {"drop": ["ALL"],
-                                                                   "add": ["CHOWN", "DAC_OVERRIDE", "FOWNER"]}},
-                          }],
-                          "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}],
-                      }},
-                  })
+                   metadata={"name": "prepare-imagenet", "namespace": config.jobs.namespace,
+                             "labels": {"app.kubernetes.io/name": "prepare-imagenet",
+                                        "app.kubernetes.io/part-of": "training-platform"},
+                             "annotations": checkov_skips(skips)},
+                   spec={"backoffLimit": 2, "ttlSecondsAfterFinished": config.jobs.ttl_seconds_after_finished,
+                         "template": pod.to_dict()})

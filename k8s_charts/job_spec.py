@@ -16,6 +16,7 @@ from pydantic import Field, ValidationInfo, model_validator
 
 from config import AcceleratedNodeGroupConfig, PlatformConfig
 from config.catalog import Accelerator
+from config.model import K8S_NAME_HELP, K8S_NAME_PATTERN, K8sName
 from training.config import check_overrides
 from training.contract import PLATFORM_TUNING
 from typed_config import ConfigError, FieldProblem, StrictModel, read_yaml_mapping, validate
@@ -28,10 +29,9 @@ GPU_COLLECTIVE_TIMEOUT_S = 30
 _OWNED_TRAINER_ARGS = {"checkpoint.dir": "checkpoint_path"}
 # Pod names are <job>-<task>-<index>; leave room for both within 63 characters.
 JobName = Annotated[str, Field(pattern=r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")]
-K8sName = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
 _PATTERN_HELP = {
     r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$": "lowercase letters, digits and '-', starting with a letter, at most 40",
-    r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$": "a Kubernetes name: lowercase letters, digits and '-', at most 63",
+    K8S_NAME_PATTERN: K8S_NAME_HELP,
 }
 _IMAGE = re.compile(r"^[\w.-]+(:\d+)?(/[\w.-]+)+(:[\w][\w.-]{0,127}|@sha256:[0-9a-f]{64})$")
 

@@ -12,6 +12,8 @@ from config import PlatformConfig
 from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE
 from k8s_charts.job_spec import FSX_MOUNT
 from k8s_charts.objects import checkov_skips, k8s_object
+from k8s_charts.pods import MEMBER_POD_FIELDS, ONE_OFF_POD_FIELDS, SAFE_TO_EVICT, PodTemplate, lost_node_tolerations
+from k8s_charts.volcano import VolcanoJob, VolcanoTask
 from training.contract import (
     CLIENT_TLS_DIR, ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_CLIENT_PORT, ETCD_KEY_ENV, ETCD_MEMBERS, ETCD_PEER_PORT, MemberTLS,
     client_tls_environment, etcd_arguments,
@@ -163,6 +165,49 @@ class EtcdChart(Chart):
             "CKV_K8S_15": "the image is pinned; pulling Always would make a member's restart depend on the registry",
             "CKV_K8S_11": "no CPU limit: a throttled member misses Raft heartbeats and loses its leadership",
         }
+        container = {
+            "name": ETCD_NAME,
+            "image": config.versions.etcd_image,
+            # The flags in the command, not args: that is where scanners (checkov's CIS etcd checks)
+            # look for the TLS flags.
+            "command": ["etcd", *args],
+            "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+            "ports": [{"name": "client", "containerPort": ETCD_CLIENT_PORT},
+                      {"name": "peer", "containerPort": ETCD_PEER_PORT},
+                      {"name": "metrics", "containerPort": ETCD_METRICS_PORT}],
+            # etcd 3.5.11+: /readyz needs a leader and a linearizable read; /livez only that the
+            # member itself is not stuck.
+            "readinessProbe": {**probe("/readyz"), "initialDelaySeconds": 2},
+            "livenessProbe": {**probe("/livez"), "initialDelaySeconds": 15, "failureThreshold": 6},
+            "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                "capabilities": {"drop": ["ALL"]}},
+            "volumeMounts": [
+                {"name": "data", "mountPath": "/var/lib/etcd"},
+                {"name": "server-tls", "mountPath": f"{ETCD_TLS_DIR}/server", "readOnly": True},
+                {"name": "peer-tls", "mountPath": f"{ETCD_TLS_DIR}/peer", "readOnly": True}],
+        }
+        pod = PodTemplate(
+            labels={**labels, "app.kubernetes.io/part-of": "training-platform"},
+            annotations=dict(SAFE_TO_EVICT),
+            node_selector=system_node_selector(),
+            priority_class_name="system-cluster-critical",
+            affinity={"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": selector, "topologyKey": "kubernetes.io/hostname"}]}},
+            topology_spread_constraints=[{
+                "maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": selector}],
+            tolerations=lost_node_tolerations(ETCD_LOST_NODE_TOLERATION_SECONDS),
+            security_context={"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
+                              "seccompProfile": {"type": "RuntimeDefault"}},
+            containers=[container],
+            # Secret volumes, not subPath mounts: the kubelet swaps renewed files in.
+            volumes=[
+                {"name": "server-tls", "secret": {"secretName": ETCD_SERVER_SECRET, "defaultMode": 0o440}},
+                {"name": "peer-tls", "secret": {"secretName": ETCD_PEER_SECRET, "defaultMode": 0o440}}],
+            fields=MEMBER_POD_FIELDS,
+        )
         k8s_object(self, "statefulset", api_version="apps/v1", kind="StatefulSet",
                   metadata={**_metadata(ETCD_NAME, namespace, **labels), "annotations": checkov_skips(skips)},
                   spec={
@@ -176,58 +221,7 @@ class EtcdChart(Chart):
                       "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"},
                       "updateStrategy": {"type": "RollingUpdate"},
                       "selector": selector,
-                      "template": {
-                          "metadata": {"labels": {**labels, "app.kubernetes.io/part-of": "training-platform"},
-                                       "annotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}},
-                          "spec": {
-                              "nodeSelector": system_node_selector(),
-                              "priorityClassName": "system-cluster-critical",
-                              "automountServiceAccountToken": False,
-                              "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-                                  {"labelSelector": selector, "topologyKey": "kubernetes.io/hostname"}]}},
-                              "topologySpreadConstraints": [{
-                                  "maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
-                                  "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": selector}],
-                              "tolerations": [
-                                  {"key": key, "operator": "Exists", "effect": "NoExecute",
-                                   "tolerationSeconds": ETCD_LOST_NODE_TOLERATION_SECONDS}
-                                  for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")],
-                              "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
-                                                  "fsGroup": 65532, "seccompProfile": {"type": "RuntimeDefault"}},
-                              "containers": [{
-                                  "name": ETCD_NAME,
-                                  "image": config.versions.etcd_image,
-                                  # The flags in the command, not args: that is where scanners (checkov's
-                                  # CIS etcd checks) look for the TLS flags.
-                                  "command": ["etcd", *args],
-                                  "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                                          {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                                  "ports": [{"name": "client", "containerPort": ETCD_CLIENT_PORT},
-                                            {"name": "peer", "containerPort": ETCD_PEER_PORT},
-                                            {"name": "metrics", "containerPort": ETCD_METRICS_PORT}],
-                                  # etcd 3.5.11+: /readyz needs a leader and a linearizable read; /livez
-                                  # only that the member itself is not stuck.
-                                  "readinessProbe": {**probe("/readyz"), "initialDelaySeconds": 2},
-                                  "livenessProbe": {**probe("/livez"), "initialDelaySeconds": 15,
-                                                    "failureThreshold": 6},
-                                  "resources": {"requests": {"cpu": "250m", "memory": "256Mi"},
-                                                "limits": {"memory": "1Gi"}},
-                                  "securityContext": {"allowPrivilegeEscalation": False,
-                                                      "readOnlyRootFilesystem": True,
-                                                      "capabilities": {"drop": ["ALL"]}},
-                                  "volumeMounts": [
-                                      {"name": "data", "mountPath": "/var/lib/etcd"},
-                                      {"name": "server-tls", "mountPath": f"{ETCD_TLS_DIR}/server", "readOnly": True},
-                                      {"name": "peer-tls", "mountPath": f"{ETCD_TLS_DIR}/peer", "readOnly": True}],
-                              }],
-                              # Secret volumes, not subPath mounts: the kubelet swaps renewed files in.
-                              "volumes": [
-                                  {"name": "server-tls", "secret": {"secretName": ETCD_SERVER_SECRET,
-                                                                    "defaultMode": 0o440}},
-                                  {"name": "peer-tls", "secret": {"secretName": ETCD_PEER_SECRET,
-                                                                  "defaultMode": 0o440}}],
-                          },
-                      },
+                      "template": pod.to_dict(),
                       "volumeClaimTemplates": [{
                           "metadata": {"name": "data", "labels": labels},
                           "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": etcd.storage_class,
@@ -374,37 +368,29 @@ class PlatformCheckChart(Chart):
         endpoint = etcd_service_endpoint(config)
         tls_volume, tls_mount = client_tls_volume()
         tls = client_tls_environment()
-        k8s_object(self, "job", api_version="batch.volcano.sh/v1alpha1", kind="Job",
-                   metadata=_metadata(platform_check_name(config), config.jobs.namespace),
-                   spec={
-                       "schedulerName": "volcano",
-                       "queue": config.jobs.queue.name,
-                       "priorityClassName": config.jobs.priority_class.name,
-                       "minAvailable": 1,
-                       "maxRetry": 3,
-                       "ttlSecondsAfterFinished": 3600,
-                       "tasks": [{"name": "check", "replicas": 1, "template": {"spec": {
-                           "restartPolicy": "Never",
-                           "automountServiceAccountToken": False,
-                           "nodeSelector": system_node_selector(),
-                           "securityContext": {"runAsNonRoot": True, "runAsUser": 65532,
-                                               "seccompProfile": {"type": "RuntimeDefault"}},
-                           "containers": [{
-                               "name": "etcd-health",
-                               "image": config.versions.etcd_image,
-                               "command": ["etcdctl", f"--endpoints={endpoint}", "--command-timeout=10s",
-                                           f"--cacert={tls[ETCD_CA_ENV]}", f"--cert={tls[ETCD_CERT_ENV]}",
-                                           f"--key={tls[ETCD_KEY_ENV]}",
-                                           "endpoint", "health"],
-                               "volumeMounts": [tls_mount],
-                               "resources": {"requests": {"cpu": "50m", "memory": "64Mi"},
-                                             "limits": {"memory": "128Mi"}},
-                               "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                                   "capabilities": {"drop": ["ALL"]}},
-                           }],
-                           "volumes": [tls_volume],
-                       }}}],
-                   })
+        pod = PodTemplate(
+            restart_policy="Never",
+            node_selector=system_node_selector(),
+            security_context={"runAsNonRoot": True, "runAsUser": 65532,
+                              "seccompProfile": {"type": "RuntimeDefault"}},
+            containers=[{
+                "name": "etcd-health",
+                "image": config.versions.etcd_image,
+                "command": ["etcdctl", f"--endpoints={endpoint}", "--command-timeout=10s",
+                            f"--cacert={tls[ETCD_CA_ENV]}", f"--cert={tls[ETCD_CERT_ENV]}",
+                            f"--key={tls[ETCD_KEY_ENV]}", "endpoint", "health"],
+                "volumeMounts": [tls_mount],
+                "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
+                "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}},
+            }],
+            volumes=[tls_volume],
+            fields=ONE_OFF_POD_FIELDS,
+        )
+        job = VolcanoJob(queue=config.jobs.queue.name, priority_class=config.jobs.priority_class.name,
+                         min_available=1, max_retry=3, ttl_seconds_after_finished=3600,
+                         tasks=[VolcanoTask("check", replicas=1, template=pod)])
+        job.add_to(self, "job", metadata=_metadata(platform_check_name(config), config.jobs.namespace))
 
 
 @dataclass(frozen=True)

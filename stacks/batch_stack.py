@@ -9,6 +9,7 @@ from constructs import Construct
 from cdk_constructs.batch_training import BatchTraining, BatchTrainingProps, batch_log_group
 from cdk_constructs.network import RETENTION_BY_DAYS
 from config import PlatformConfig
+from config.model import CapacityType
 from stacks.network_stack import NetworkStack
 from stacks.registry_stack import RegistryStack
 from stacks.storage_stack import StorageStack
@@ -27,8 +28,11 @@ class BatchStack(Stack):
         self.training = {}
         for name in config.batch.node_groups:
             queue_name = config.batch_name(name)
+            group = groups[name]
             training = BatchTraining(self, f"Group-{name}", BatchTrainingProps(
-                name=queue_name, group=groups[name], subnet=net.compute_subnet,
+                name=queue_name, instance=group.instance, max_nodes=group.max_size, efa=group.efa_enabled,
+                spot=group.capacity_type is CapacityType.SPOT, instance_tags={"platform-batch-group": name},
+                subnet=net.compute_subnet,
                 security_groups=[net.node_security_group, egress], file_system=storage.file_system.volume,
                 # The registry's repository, by name: a weak reference would be a Fn::GetStackOutput
                 # inside Fn::Split, which cfn-lint cannot type.

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import importlib
 
-from aws_cdk import Annotations, CfnCondition, CfnOutput, Duration, Stack, aws_eks_v2 as eks, aws_kms as kms
+from aws_cdk import (
+    Annotations, CfnCondition, CfnOutput, Duration, Stack, aws_ec2 as ec2, aws_eks_v2 as eks, aws_iam as iam,
+    aws_kms as kms,
+)
 from aws_cdk.aws_lambda import CfnFunction
 from cdk8s import App as Cdk8sApp
-from constructs import Construct
+from constructs import Construct, IConstruct
 
 from cdk_constructs.accelerated_node_group import AcceleratedNodeGroup, AcceleratedNodeGroupProps
 from cdk_constructs.autoscaled_size import AutoscaledSize, AutoscaledSizeProps
 from cdk_constructs.cluster_addons import ClusterAddons, ClusterAddonsProps
-from cdk_constructs.cluster_charts import ClusterCharts, ClusterChartsProps
-from cdk_constructs.efa_launch_template import EfaLaunchTemplate, EfaLaunchTemplateProps
+from cdk_constructs.cluster_charts import ChartVersions, ClusterCharts, ClusterChartsProps
+from cdk_constructs.efa_launch_template import CapacityReservation, EfaLaunchTemplate, EfaLaunchTemplateProps
 from cdk_constructs.nag import acknowledge
 from cdk_constructs.network import RETENTION_BY_DAYS
 from cdk_constructs.pod_identity import associate
 from cdk_constructs.training_dashboard import TrainingDashboard, TrainingDashboardProps
-from config import PlatformConfig
+from config import AcceleratedNodeGroupConfig, PlatformConfig
 from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
 from k8s_charts.platform_charts import (
     TRAINER_SERVICE_ACCOUNT, EtcdCertificatesChart, EtcdChart, LustreVolumeValues, NamespacesChart, PlatformCheckChart,
@@ -41,6 +44,40 @@ def kubectl_layer(scope: Construct, kubernetes_version: str):
     minor = kubernetes_version.split(".")[1]
     module = importlib.import_module(f"aws_cdk.lambda_layer_kubectl_v{minor}")
     return getattr(module, f"KubectlV{minor}Layer")(scope, "KubectlLayer")
+
+
+def accelerated_node_group_props(group: AcceleratedNodeGroupConfig, *, cluster: eks.ICluster, subnet: ec2.ISubnet,
+                                 node_role: iam.IRole, node_security_group: ec2.ISecurityGroup
+                                 ) -> AcceleratedNodeGroupProps:
+    """One node group of the config, as the construct takes it: the resources, and the group's facts."""
+    reservation = group.capacity_reservation
+    return AcceleratedNodeGroupProps(
+        cluster=cluster, subnet=subnet, node_role=node_role, node_security_group=node_security_group,
+        name=group.name, instance=group.instance,
+        min_size=group.min_size, max_size=group.max_size, desired_size=group.desired_size,
+        efa=group.efa_enabled, capacity_type=eks.CapacityType[group.capacity_type.value],
+        placement_group=group.placement_group,
+        capacity_reservation=CapacityReservation(reservation.id, capacity_block=reservation.kind == "capacity_block")
+        if reservation else None,
+    )
+
+
+def cluster_charts_props(config: PlatformConfig, cluster: eks.ICluster, system_nodes: IConstruct
+                         ) -> ClusterChartsProps:
+    """The upstream charts' pinned versions, and the node groups' facts that choose the device plugins."""
+    versions, groups = config.versions, config.accelerated_node_groups
+    return ClusterChartsProps(
+        cluster=cluster, cluster_name=config.name_prefix, region=config.region,
+        versions=ChartVersions(
+            volcano=versions.volcano_chart, cert_manager=versions.cert_manager_chart,
+            cluster_autoscaler=config.cluster_autoscaler_chart,
+            nvidia_device_plugin=versions.nvidia_device_plugin_chart, neuron=versions.neuron_chart,
+            efa_device_plugin=versions.efa_device_plugin_chart),
+        system_nodes=system_nodes,
+        accelerators=frozenset(g.instance.accelerator for g in groups),
+        efa=any(g.efa_enabled for g in groups),
+        scale_down_idle_minutes=config.cluster.scale_down_idle_minutes,
+    )
 
 
 class ClusterStack(Stack):
@@ -117,8 +154,8 @@ class ClusterStack(Stack):
             labels={NODE_ROLE_LABEL: SYSTEM_ROLE},
         )
         self.accelerated = [
-            AcceleratedNodeGroup(self, f"Group-{group.name}", AcceleratedNodeGroupProps(
-                cluster=self.cluster, group=group, subnet=net.compute_subnet, node_role=registry.node_role,
+            AcceleratedNodeGroup(self, f"Group-{group.name}", accelerated_node_group_props(
+                group, cluster=self.cluster, subnet=net.compute_subnet, node_role=registry.node_role,
                 node_security_group=net.node_security_group))
             for group in config.accelerated_node_groups
         ]
@@ -126,8 +163,7 @@ class ClusterStack(Stack):
         for nodegroup in [self.system_nodes, *(g.nodegroup for g in self.accelerated)]:
             nodegroup.node.add_dependency(self.addons.vpc_cni)
 
-        self.charts = ClusterCharts(self, "Charts", ClusterChartsProps(
-            cluster=self.cluster, config=config, system_nodes=self.system_nodes))
+        self.charts = ClusterCharts(self, "Charts", cluster_charts_props(config, self.cluster, self.system_nodes))
 
         # Training pods read and write the bucket's two prefixes (the role lives with the bucket).
         associate(self, "TrainerIdentity", self.cluster.cluster_name, config.jobs.namespace,

@@ -8,10 +8,9 @@ import pytest
 from aws_cdk import App, Stack, aws_ec2 as ec2, aws_eks_v2 as eks, aws_iam as iam
 from aws_cdk.assertions import Match, Template
 
-from cdk_constructs.accelerated_node_group import (
-    AcceleratedNodeGroup, AcceleratedNodeGroupProps, autoscaler_template_tags,
-)
-from config import AcceleratedNodeGroupConfig
+from cdk_constructs.accelerated_node_group import AcceleratedNodeGroup, autoscaler_template_tags
+from config import AcceleratedNodeGroupConfig, lookup
+from stacks.cluster_stack import accelerated_node_group_props
 
 
 def group(instance_type: str, **extra) -> AcceleratedNodeGroupConfig:
@@ -27,7 +26,8 @@ def synth(config: AcceleratedNodeGroupConfig) -> tuple[Template, Stack, ec2.ISub
     subnet = vpc.private_subnets[0]
     role = iam.Role(stack, "NodeRole", assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"))
     sg = ec2.SecurityGroup(stack, "NodeSg", vpc=vpc)
-    AcceleratedNodeGroup(stack, "P4d", AcceleratedNodeGroupProps(cluster, config, subnet, role, sg))
+    AcceleratedNodeGroup(stack, "P4d", accelerated_node_group_props(
+        config, cluster=cluster, subnet=subnet, node_role=role, node_security_group=sg))
     return Template.from_stack(stack), stack, subnet
 
 
@@ -71,7 +71,8 @@ def test_the_auto_scaling_group_gets_the_autoscaler_template_tags():
     ("trn1.2xlarge", {"aws.amazon.com/neuron": "1"}),
 ])
 def test_template_tags_advertise_the_catalogs_devices(instance_type, resources):
-    tags = autoscaler_template_tags(group(instance_type))
+    instance = lookup(instance_type)
+    tags = autoscaler_template_tags("g", instance, efa=instance.supports_efa)
     prefix = "k8s.io/cluster-autoscaler/node-template/resources/"
     assert {k.removeprefix(prefix): v for k, v in tags.items() if k.startswith(prefix)} == resources
     assert tags["k8s.io/cluster-autoscaler/node-template/label/node.kubernetes.io/instance-type"] == instance_type

@@ -66,6 +66,20 @@ def test_efa_resource_only_where_efa_exists():
     assert lookup("trn1.2xlarge").efa_resource is None
 
 
+# Types whose EFA reads and writes accelerator memory directly (FI_EFA_USE_DEVICE_RDMA on their pods).
+EFA_RDMA = {"p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge",
+            "trn1.2xlarge", "trn1.32xlarge", "trn1n.32xlarge", "trn2.48xlarge"}
+
+
+def test_efa_rdma_is_a_fact_of_the_known_instances():
+    assert {name for name, t in CATALOG.items() if t.efa_rdma} == EFA_RDMA
+    assert lookup("p4d.24xlarge").efa_rdma and lookup("p5.48xlarge").efa_rdma
+    assert not lookup("p3dn.24xlarge").efa_rdma and not lookup("g6e.48xlarge").efa_rdma  # EFA, but not to the GPU
+    # The accelerators the job charts once listed by name (A100, H100, H200, Trainium, Trainium2).
+    assert all(t.efa_rdma == (t.accelerator_model in ("A100", "H100", "H200", "Trainium", "Trainium2"))
+               for t in CATALOG.values())
+
+
 @pytest.mark.parametrize("name", sorted(CATALOG))
 def test_entries_are_self_consistent(name):
     t = CATALOG[name]

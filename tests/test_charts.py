@@ -457,3 +457,35 @@ def test_etcd_and_the_jobs_mount_the_secrets_cert_manager_writes():
     env = {e["name"]: e.get("value") for e in container(the_job(RENDERED, "resnet50-imagenet"))["env"]}
     assert env["PLATFORM_ETCD_CA_FILE"] == "/etc/platform/etcd-tls/ca.crt"
     assert env["PLATFORM_ETCD_CERT_FILE"] == "/etc/platform/etcd-tls/tls.crt"
+
+
+# --- the typed Volcano Job and the shared pod template --------------------------------------------
+
+def test_every_pod_comes_from_the_one_pod_template():
+    """Each workload's pod is written in its fields' order; a field set outside them is an error, not dropped."""
+    from k8s_charts.pods import MEMBER_POD_FIELDS, ONE_OFF_POD_FIELDS, TRAINING_POD_FIELDS, PodTemplate
+
+    rendered = render()
+    worker = rendered["resnet50-imagenet"][0]["spec"]["tasks"][0]["template"]
+    pods = {"resnet50-imagenet": (worker, TRAINING_POD_FIELDS),
+            "prepare-imagenet": (rendered["prepare-imagenet"][0]["spec"]["template"], ONE_OFF_POD_FIELDS),
+            "etcd": (next(o for o in rendered["etcd"] if o["kind"] == "StatefulSet")["spec"]["template"],
+                     MEMBER_POD_FIELDS)}
+    for name, (template, fields) in pods.items():
+        assert list(template["spec"]) == [f for f in fields if f in template["spec"]], name
+    with pytest.raises(ValueError, match="priorityClassName set but not in its fields"):
+        PodTemplate(containers=[], priority_class_name="p", fields=ONE_OFF_POD_FIELDS).spec()
+    assert PodTemplate(containers=[], init_containers=(), fields=TRAINING_POD_FIELDS).spec() == {
+        "automountServiceAccountToken": False, "initContainers": [], "containers": []}
+
+
+def test_a_volcano_policy_matches_an_exit_code_or_events():
+    from k8s_charts.volcano import Action, Event, LifecyclePolicy
+
+    assert LifecyclePolicy(Action.RESTART_POD, events=[Event.POD_FAILED]).to_dict() == {
+        "event": "PodFailed", "action": "RestartPod"}
+    assert LifecyclePolicy(Action.TERMINATE_JOB, events=[Event.POD_FAILED, Event.POD_EVICTED]).to_dict() == {
+        "events": ["PodFailed", "PodEvicted"], "action": "TerminateJob"}
+    for both_or_neither in ({}, {"exit_code": 78, "events": [Event.POD_FAILED]}):
+        with pytest.raises(ValueError, match="an exit code or events"):
+            LifecyclePolicy(Action.TERMINATE_JOB, **both_or_neither)

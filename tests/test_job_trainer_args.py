@@ -92,7 +92,7 @@ def test_a_config_error_in_the_pod_exits_with_the_status_no_layer_retries():
     from k8s_charts.job_charts import job_policies
     from training.launcher.main import EXIT_CONFIG, main
 
-    assert {"exitCode": EXIT_CONFIG, "action": "TerminateJob"} in job_policies()
+    assert {"exitCode": EXIT_CONFIG, "action": "TerminateJob"} in [policy.to_dict() for policy in job_policies()]
     argv = ["--nnodes=1", "--nproc-per-node=1", "-m", "training", "train", "--optim.lrr=0.1"]
     assert main(argv) == EXIT_CONFIG  # before any agent starts: torchrun has nothing to restart
 
@@ -107,3 +107,11 @@ def test_a_config_error_in_the_pod_exits_with_the_status_no_layer_retries():
 def test_queue_and_priority_class_are_kubernetes_names_and_not_the_systems(fields, line):
     found = problems(job(**fields))
     assert len(found) == 1 and found[0].startswith(line), found
+
+
+def test_the_job_spec_and_the_config_share_one_kubernetes_name_and_its_wording():
+    from config import loader, model
+    from k8s_charts import job_spec
+
+    assert job_spec.K8sName is model.K8sName
+    assert job_spec._PATTERN_HELP[model.K8S_NAME_PATTERN] == loader._PATTERN_HELP[model.K8S_NAME_PATTERN]

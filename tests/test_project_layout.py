@@ -214,3 +214,12 @@ def test_nothing_in_the_image_imports_the_developer_tools():
                    if source.startswith("training") and not source.startswith("training.devtools")
                    and any(t.startswith("training.devtools") for t in targets))
     assert users == []
+
+
+def test_constructs_take_resources_and_facts_not_config_models():
+    """A construct's props are resources and plain facts (issue 34); the stacks translate the config.
+    From config/ a construct reads only the catalog's hardware facts and the pinned versions."""
+    graph = import_graph()
+    reads = {(source, target) for source, targets in graph.items() if source.split(".")[0] == "cdk_constructs"
+             for target in targets if target.split(".")[0] == "config"}
+    assert {target for _, target in reads} <= {"config.catalog", "config.versions"}, sorted(reads)
