@@ -23,6 +23,7 @@ from config.catalog import (
     ACCELERATED_ROLE, ACCELERATOR_LABEL, EFA_PRESENT_LABEL, GPU_TYPE_LABEL, INSTANCE_TYPE_LABEL, NODE_GROUP_LABEL,
     NODE_ROLE_LABEL, InstanceType,
 )
+from training.contract import ACCELERATOR_TAINT_EFFECT
 
 CA_TEMPLATE = "k8s.io/cluster-autoscaler/node-template"
 
@@ -42,7 +43,7 @@ def node_labels(name: str, instance: InstanceType, efa: bool) -> dict[str, str]:
 
 def node_taint(instance: InstanceType) -> tuple[str, str, str]:
     """(key, value, effect): only pods that tolerate the accelerator land on these nodes."""
-    return instance.taint_key, "true", "NoSchedule"
+    return instance.taint_key, "true", ACCELERATOR_TAINT_EFFECT
 
 
 def autoscaler_template_tags(name: str, instance: InstanceType, efa: bool) -> dict[str, str]:

@@ -22,9 +22,8 @@ from cdk_constructs.efa_launch_template import EfaLaunchTemplate, EfaLaunchTempl
 from cdk_constructs.lustre import LustreVolume
 from cdk_constructs.nag import acknowledge
 from config.catalog import InstanceType
-from training.contract import batch_launch_command
+from training.contract import FSX_MOUNT, batch_launch_command
 
-FSX_MOUNT = "/fsx"
 # Batch selects the AMI; ECS_AL2023_NVIDIA is its GPU AMI for ECS (NVIDIA driver, container toolkit).
 IMAGE_TYPE = "ECS_AL2023_NVIDIA"
 RESERVED_VCPUS = 4  # for the ECS agent, the OS and the Lustre client

@@ -10,6 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+# The node labels and taints are the contract's (the deploy side reads them from here too).
+from training.contract import (  # noqa: F401 - re-exported
+    ACCELERATED_ROLE, ACCELERATOR_LABEL, ACCELERATOR_TAINTS, NODE_GROUP_LABEL, NODE_ROLE_LABEL, SYSTEM_ROLE,
+)
+
 
 class Accelerator(str, Enum):
     NONE = "none"
@@ -25,12 +30,7 @@ AMI_NEURON = "AL2023_x86_64_NEURON"
 NVIDIA_GPU_RESOURCE = "nvidia.com/gpu"
 NEURON_DEVICE_RESOURCE = "aws.amazon.com/neuron"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
-# Applied by the cluster to every node group; platform pods and jobs select on it.
-NODE_ROLE_LABEL = "training-platform/node-role"
-SYSTEM_ROLE, ACCELERATED_ROLE = "system", "accelerated"
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
-ACCELERATOR_LABEL = "training-platform/accelerator"  # nvidia | neuron: device plugins select on it
-NODE_GROUP_LABEL = "training-platform/node-group"
 EFA_PRESENT_LABEL = "vpc.amazonaws.com/efa.present"  # the EFA device plugin selects on it
 # cluster-autoscaler treats a node with this label as a GPU node whose nvidia.com/gpu is not
 # advertised yet (device plugin starting), instead of as a node without GPUs that does not fit
@@ -48,11 +48,11 @@ _RESOURCE_BY_ACCELERATOR = {
     Accelerator.NVIDIA: NVIDIA_GPU_RESOURCE,
     Accelerator.NEURON: NEURON_DEVICE_RESOURCE,
 }
-# The taint each accelerated node group carries; device plugins and jobs tolerate it.
+# The taint each accelerated node group carries (the contract's); device plugins and jobs tolerate it.
 _TAINT_KEY_BY_ACCELERATOR = {
     Accelerator.NONE: None,
-    Accelerator.NVIDIA: NVIDIA_GPU_RESOURCE,
-    Accelerator.NEURON: NEURON_DEVICE_RESOURCE,
+    Accelerator.NVIDIA: ACCELERATOR_TAINTS[Accelerator.NVIDIA.value],
+    Accelerator.NEURON: ACCELERATOR_TAINTS[Accelerator.NEURON.value],
 }
 
 

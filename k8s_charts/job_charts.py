@@ -10,7 +10,7 @@ from constructs import Construct
 from config import AcceleratedNodeGroupConfig, PlatformConfig
 from config.catalog import INSTANCE_TYPE_LABEL, NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
 from config.model import CapacityType
-from k8s_charts.job_spec import FSX_MOUNT, JobSpec
+from k8s_charts.job_spec import JobSpec
 from k8s_charts.objects import checkov_skips, k8s_object
 from k8s_charts.platform_charts import (
     FSX_CLAIM, TRAINER_SERVICE_ACCOUNT, client_tls_volume, etcd_endpoint,
@@ -20,8 +20,8 @@ from k8s_charts.pods import (
 )
 from k8s_charts.volcano import Action, Event, LifecyclePolicy, VolcanoJob, VolcanoTask
 from training.contract import (
-    EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, LAUNCH_ENVIRONMENT, PLATFORM_TUNING,
-    SPOT_NOTICE_ENV, TRAINER_MODULE, client_tls_environment, launch_command,
+    DATASETS_DIR, FSX_MOUNT, EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, LAUNCH_ENVIRONMENT, PLATFORM_TUNING,
+    SPOT_NOTICE_ENV, TRAINER_MODULE, cache_dir, client_tls_environment, launch_command,
 )
 
 # Kept free on every node for the kubelet, the OS and the platform's DaemonSets.
@@ -164,15 +164,11 @@ def spot_environment(group: AcceleratedNodeGroupConfig) -> dict[str, str]:
     return {SPOT_NOTICE_ENV: "imds"} if group.capacity_type is CapacityType.SPOT else {}
 
 
-def cache_dir(spec: JobSpec) -> str:
-    return f"{FSX_MOUNT}/cache/{spec.name}"
-
-
 def cache_environment(spec: JobSpec, config: PlatformConfig) -> dict[str, str]:
     """Compiler caches on the shared file system, per job: a restart or a new world size does not
     compile again what an earlier incarnation compiled (torch.compile's Inductor and Triton caches;
     the Neuron compiler's cache). Not under the S3-linked directories: caches stay on FSx."""
-    cache = cache_dir(spec)
+    cache = cache_dir(spec.name)
     if spec.group(config).instance.accelerator is Accelerator.NEURON:
         # As AWS's Neuron samples on EKS do: the compile cache and the collectives' socket interface.
         return {"NEURON_CC_FLAGS": f"--cache_dir={cache}/neuron", "CCOM_SOCKET_IFNAME": "eth0"}
@@ -311,7 +307,7 @@ class TrainingJobChart(_VolcanoJobChart):
     def __init__(self, scope: Construct, id: str, config: PlatformConfig, spec: JobSpec):
         super().__init__(scope, id, config, spec, spec.name, ["train", *spec.trainer_flags(config)],
                          policies=job_policies(), max_retry=VOLCANO_MAX_RETRY,
-                         writable_dirs=[spec.checkpoint_dir(), spec.staging_dir(), cache_dir(spec)])
+                         writable_dirs=[spec.checkpoint_dir(), spec.staging_dir(), cache_dir(spec.name)])
 
 
 class NcclCheckChart(_VolcanoJobChart):
@@ -335,7 +331,7 @@ class DataPrepChart(Chart):
     """Checks the imported ImageNet copy on FSx, rearranges val/ into class folders, writes a manifest."""
 
     def __init__(self, scope: Construct, id: str, config: PlatformConfig, image: str,
-                 dataset_path: str = f"{FSX_MOUNT}/datasets/imagenet", labels_file: str = "LOC_val_solution.csv"):
+                 dataset_path: str = f"{DATASETS_DIR}/imagenet", labels_file: str = "LOC_val_solution.csv"):
         super().__init__(scope, id)
         volumes, mounts = _shared_volumes(memory_gib=4)
         root = ("it rearranges files the data repository imported as root's: root with CHOWN, DAC_OVERRIDE and "

@@ -18,10 +18,9 @@ from config import AcceleratedNodeGroupConfig, PlatformConfig
 from config.catalog import Accelerator
 from config.model import K8S_NAME_HELP, K8S_NAME_PATTERN, K8sName
 from training.config import check_overrides
-from training.contract import PLATFORM_TUNING
+from training.contract import FSX_MOUNT, PLATFORM_TUNING, checkpoint_dir, staging_dir
 from typed_config import ConfigError, FieldProblem, StrictModel, read_yaml_mapping, validate
 
-FSX_MOUNT = "/fsx"
 # GPU jobs: a peer that stops answering fails the step after this long (the post-warm-up
 # process-group timeout; NCCL's watchdog then aborts the communicator).
 GPU_COLLECTIVE_TIMEOUT_S = 30
@@ -122,7 +121,7 @@ class JobSpec(StrictModel):
         return max(1, group.instance.efa_interfaces * self.accelerators(config) // group.instance.accelerator_count)
 
     def checkpoint_dir(self) -> str:
-        return self.checkpoint_path or f"{FSX_MOUNT}/checkpoints/{self.name}"
+        return self.checkpoint_path or checkpoint_dir(self.name)
 
     def trainer_flags(self, config: PlatformConfig) -> list[str]:
         """The trainer's command-line arguments in the job's pods: the user's trainer_args, plus
@@ -139,7 +138,7 @@ class JobSpec(StrictModel):
     def staging_dir(self) -> str:
         """Where checkpoint files are written before their rename: on FSx, outside the S3-linked
         directories, so nothing half-written is exported."""
-        return f"{FSX_MOUNT}/staging/{self.name}"
+        return staging_dir(self.name)
 
 
 def _flag_value(value: Any) -> str:

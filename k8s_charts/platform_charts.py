@@ -10,7 +10,6 @@ from constructs import Construct
 
 from config import PlatformConfig
 from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE
-from k8s_charts.job_spec import FSX_MOUNT
 from k8s_charts.objects import checkov_skips, k8s_object
 from k8s_charts.pods import MEMBER_POD_FIELDS, ONE_OFF_POD_FIELDS, SAFE_TO_EVICT, PodTemplate, lost_node_tolerations
 from k8s_charts.volcano import VolcanoJob, VolcanoTask
@@ -431,5 +430,5 @@ class StorageChart(Chart):
                         "resources": {"requests": {"storage": capacity}}})
 
 
-__all__ = ["FSX_MOUNT", "EtcdCertificatesChart", "EtcdChart", "PlatformCheckChart", "platform_check_name", "LustreVolumeValues", "NamespacesChart", "SchedulingChart", "StorageChart",
-           "StorageClassChart"]
+__all__ = ["EtcdCertificatesChart", "EtcdChart", "PlatformCheckChart", "platform_check_name", "LustreVolumeValues",
+           "NamespacesChart", "SchedulingChart", "StorageChart", "StorageClassChart"]

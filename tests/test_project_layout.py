@@ -223,3 +223,18 @@ def test_constructs_take_resources_and_facts_not_config_models():
     reads = {(source, target) for source, targets in graph.items() if source.split(".")[0] == "cdk_constructs"
              for target in targets if target.split(".")[0] == "config"}
     assert {target for _, target in reads} <= {"config.catalog", "config.versions"}, sorted(reads)
+
+
+def test_the_shared_paths_and_node_labels_are_spelled_only_in_the_contract():
+    """The /fsx folders and the platform's node labels: one spelling, in training/contract.py."""
+    import ast
+
+    spelled = []
+    for root in PACKAGES:
+        path = REPO / root
+        for file in [path] if path.is_file() else sorted(path.rglob("*.py")):
+            for node in ast.walk(ast.parse(file.read_text())):
+                if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                        and node.value.startswith(("/fsx", "training-platform/"))):
+                    spelled.append((str(file.relative_to(REPO)), node.value))
+    assert spelled and {file for file, _ in spelled} == {"training/contract.py"}, spelled

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from training.contract import checkpoint_dir
 from training.model_names import IMAGE_MODELS, MASKED_LM_MODELS, MODEL_NAMES
 from typed_config import ConfigError, FieldProblem, StrictModel, format_errors, read_yaml_mapping, show, validate
 
@@ -110,7 +111,7 @@ class TrainSection(StrictModel):
 
 
 class CheckpointSection(StrictModel):
-    dir: str = "/fsx/checkpoints/default"
+    dir: str = checkpoint_dir("default")
     # The most steps a kill can cost: an asynchronous write starts early enough to be on disk by then.
     interval_steps: int = Field(500, gt=0)
     keep_last: int = Field(3, gt=0)

@@ -30,6 +30,37 @@ LAUNCH_ENVIRONMENT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 TRAINER_MODULE = "training"
 LAUNCHER_MODULE = "training.launcher"
 
+# The shared file system (FSx for Lustre): where pods and AWS Batch hosts mount it, and the
+# folders a job's spec, the charts and the trainer agree on.
+FSX_MOUNT = "/fsx"
+DATASETS_DIR = f"{FSX_MOUNT}/datasets"  # linked to s3://<bucket>/<fsx.data_prefix>
+
+
+def checkpoint_dir(job: str) -> str:
+    """A job's checkpoints, unless its spec names another folder under FSX_MOUNT."""
+    return f"{FSX_MOUNT}/checkpoints/{job}"
+
+
+def staging_dir(job: str) -> str:
+    """Where a job's checkpoint writes are staged: same file system, outside the S3-linked tree."""
+    return f"{FSX_MOUNT}/staging/{job}"
+
+
+def cache_dir(job: str) -> str:
+    """A job's compiler caches (Neuron, inductor), kept across restarts."""
+    return f"{FSX_MOUNT}/cache/{job}"
+
+
+# Node labels the cluster applies and the charts select on.
+NODE_ROLE_LABEL = "training-platform/node-role"
+SYSTEM_ROLE, ACCELERATED_ROLE = "system", "accelerated"
+ACCELERATOR_LABEL = "training-platform/accelerator"  # nvidia | neuron: device plugins select on it
+NODE_GROUP_LABEL = "training-platform/node-group"
+# The NoSchedule taint of an accelerated node group, by accelerator: only pods that tolerate it
+# (device plugins, training jobs) land on accelerated nodes.
+ACCELERATOR_TAINTS = {"nvidia": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}
+ACCELERATOR_TAINT_EFFECT = "NoSchedule"
+
 # Exit statuses, which the agent and the job controller's policies act on (k8s_charts/job_charts.py).
 EXIT_MEMBERSHIP_CHANGE = 75  # a worker stopped only because a peer was told to: restart into a new round
 EXIT_DIVERGED = 76  # the loss is not finite: retrying from the last checkpoint would diverge again
