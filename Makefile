@@ -40,7 +40,7 @@ CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
 NODE_STAMP := node_modules/.installed
 DEB_PACKAGES := etcd-server
 
-.PHONY: synth test setup-deploy setup-test system-packages benchmark lock clean
+.PHONY: synth test test-fast setup-deploy setup-test system-packages benchmark lock clean
 
 # Synthesize into a staging folder and swap it in only on success: a bad config leaves
 # the previous cdk.out as it was, and a removed stack leaves no stale template behind.
@@ -53,6 +53,11 @@ synth: setup-deploy
 
 test: setup-test
 	$(PY) -m pytest
+
+# The unit tests, the snapshots and the lint, without real agents, etcd clusters or training
+# runs: under two minutes on 2 cores. `make test` still runs everything.
+test-fast: setup-test
+	$(PY) -m pytest -m "not slow"
 
 benchmark: setup-test
 	$(PY) benchmarks/synth_time.py

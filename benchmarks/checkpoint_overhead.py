@@ -26,11 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.config import CheckpointSection, load_train_config  # noqa: E402
-from training.loop.trainer import Trainer  # noqa: E402
+from training.config import CheckpointSection, load_train_config
+from training.loop.trainer import Trainer
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def model_args(args) -> list[str]:
@@ -51,7 +52,7 @@ def run(args, interval: int, async_save: bool) -> tuple[float, float, int]:
         started = time.perf_counter()
         trainer.run()
         elapsed = time.perf_counter() - started
-        events = [json.loads(line) for line in open(f"{scratch}/metrics.jsonl")]
+        events = [json.loads(line) for line in Path(scratch, "metrics.jsonl").read_text().splitlines()]
     # The final checkpoint is written by every run; count only the periodic ones.
     periodic = [e for e in events if e["event"] == "checkpoint_saved" and e["step"] < args.steps]
     return elapsed, sum(e["blocking_s"] for e in periodic), len(periodic)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.contract import PLATFORM_TUNING  # noqa: E402
-from training.devtools.local_cluster import Agent, LocalEtcd, read_events, wait_until  # noqa: E402
+from training.contract import PLATFORM_TUNING
+from training.devtools.local_cluster import Agent, LocalEtcd, read_events, wait_until
 
 SETTINGS = {"platform": PLATFORM_TUNING}
 INTERVAL = 50
@@ -55,10 +55,7 @@ def trial(etcd: str, name: str, signal_kind: str = "kill") -> dict:
     try:
         wait_until(lambda: len(_steps(work, world=2)) > 80, "two nodes training", 120, [a, b], poll=0.02)
         before = max(e["step"] for e in _steps(work))
-        if signal_kind == "kill":
-            at = b.kill_node()
-        else:
-            at = b.terminate()
+        at = b.kill_node() if signal_kind == "kill" else b.terminate()
         first = wait_until(lambda: _steps(work, after=at, world=1), "the survivor's first step", 180, [a], poll=0.02)[0]
         resume = [e for e in read_events(work / "metrics.jsonl") if e["event"] == "resume" and e["time"] > at][0]
         # Steps trained before the signal that the survivor has to train again.

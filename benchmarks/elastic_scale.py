@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.devtools.drills import scale_drill  # noqa: E402 - after the path insert: run as a script
-from training.contract import PLATFORM_TUNING, REGROUP_IN_PLACE_ENV  # noqa: E402
+from training.devtools.drills import scale_drill  # after the path insert: run as a script
+from training.contract import PLATFORM_TUNING, REGROUP_IN_PLACE_ENV
 
 
 def main() -> None:

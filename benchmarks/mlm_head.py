@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.diagnostics.throughput import compare_mlm_heads  # noqa: E402
+from training.diagnostics.throughput import compare_mlm_heads
 
 
 def main() -> None:

@@ -17,12 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.local_s3 import local_s3  # noqa: E402
-from trainctl.__main__ import _s3_pool  # noqa: E402
-from trainctl.stage import DEFAULT_CONCURRENCY, stage_data  # noqa: E402
+from tests.local_s3 import local_s3
+from trainctl.__main__ import _s3_pool
+from trainctl.stage import DEFAULT_CONCURRENCY, stage_data
 
 
 def make_files(root: Path, count: int, size: int) -> Path:
@@ -37,7 +36,7 @@ def rate(endpoint: str, source: Path, bucket: str, concurrency: int) -> tuple[fl
     import boto3
 
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-west-2", aws_access_key_id="testing",
-                      aws_secret_access_key="testing", config=_s3_pool(concurrency))  # noqa: S106 - local server
+                      aws_secret_access_key="testing", config=_s3_pool(concurrency))  # local server
     s3.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
     start = time.perf_counter()
     result = stage_data(source, s3, bucket, "datasets/", concurrency=concurrency)

@@ -45,12 +45,13 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from config.catalog import CATALOG, Accelerator, InstanceType, lookup  # noqa: E402
-from training.diagnostics.throughput import bare_loop, compare_mlm_heads  # noqa: E402
-from training.config import load_train_config  # noqa: E402
+from config.catalog import CATALOG, Accelerator, InstanceType, lookup
+from training.diagnostics.throughput import bare_loop, compare_mlm_heads
+from training.config import load_train_config
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass

@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.diagnostics.throughput import compare_with_bare_loop  # noqa: E402
-from training.config import load_train_config  # noqa: E402
+from training.diagnostics.throughput import compare_with_bare_loop
+from training.config import load_train_config
 
 
 def main() -> None:

@@ -70,8 +70,9 @@ class BatchTraining(Construct):
             efa_only_secondary=props.efa and instance.efa_only_secondary,
             user_data=lustre_user_data(props.file_system)))
 
-        self.instance_role = instance_role = iam.Role(self, "InstanceRole", assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
-                                 description=f"Batch {props.name} instances: the ECS agent, image pulls, awslogs")
+        self.instance_role = instance_role = iam.Role(
+            self, "InstanceRole", assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
+            description=f"Batch {props.name} instances: the ECS agent, image pulls, awslogs")
         instance_role.add_managed_policy(iam.ManagedPolicy.from_aws_managed_policy_name(
             "service-role/AmazonEC2ContainerServiceforEC2Role"))
         acknowledge(instance_role, "IAM4", "AmazonEC2ContainerServiceforEC2Role is the policy Batch documents for "

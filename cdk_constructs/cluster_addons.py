@@ -69,7 +69,8 @@ class ClusterAddons(Construct):
         for name in managed:
             role.role.add_managed_policy(iam.ManagedPolicy.from_aws_managed_policy_name(name))
             acknowledge(role.role, "IAM4", f"{name} is the AWS-maintained policy this add-on documents; "
-                        "its actions follow the add-on's releases", finding=f"Policy::arn:<AWS::Partition>:iam::aws:policy/{name}")
+                        "its actions follow the add-on's releases",
+                        finding=f"Policy::arn:<AWS::Partition>:iam::aws:policy/{name}")
         return role
 
     def _addon(self, name: str, roles: list[PodIdentityRole] = (), configuration: dict | None = None) -> eks.CfnAddon:

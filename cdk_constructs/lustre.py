@@ -6,7 +6,9 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from aws_cdk import ArnFormat, RemovalPolicy, Stack, aws_ec2 as ec2, aws_fsx as fsx, aws_kms as kms, aws_logs as logs, aws_s3 as s3
+from aws_cdk import (
+    ArnFormat, RemovalPolicy, Stack, aws_ec2 as ec2, aws_fsx as fsx, aws_kms as kms, aws_logs as logs, aws_s3 as s3,
+)
 from constructs import Construct
 
 # Lustre's LNet port and the range its servers and clients also use (FSx for Lustre guide,

@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-# The node labels and taints are the contract's (the deploy side reads them from here too).
-from training.contract import (  # noqa: F401 - re-exported
-    ACCELERATED_ROLE, ACCELERATOR_LABEL, ACCELERATOR_TAINTS, NODE_GROUP_LABEL, NODE_ROLE_LABEL, SYSTEM_ROLE,
+# The node labels and taints are the contract's (the deploy side reads them from here too):
+# re-exported, so imported as themselves (``X as X``).
+from training.contract import (
+    ACCELERATED_ROLE as ACCELERATED_ROLE, ACCELERATOR_LABEL as ACCELERATOR_LABEL, ACCELERATOR_TAINTS,
+    NODE_GROUP_LABEL as NODE_GROUP_LABEL, NODE_ROLE_LABEL as NODE_ROLE_LABEL, SYSTEM_ROLE as SYSTEM_ROLE,
 )
 
 

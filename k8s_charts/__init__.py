@@ -1,11 +1,11 @@
 """cdk8s charts for the platform's Kubernetes objects (etcd, Volcano, storage, jobs)."""
 
+import contextlib
+
 from k8s_charts.node import NodeRuntimeMissing, select_node
 
 # Before any chart module imports cdk8s, whose import starts jsii's Node process. Without a
 # supported Node the entry points (trainctl, python -m k8s_charts) call select_node() again
 # and print its one line.
-try:
+with contextlib.suppress(NodeRuntimeMissing):
     select_node()
-except NodeRuntimeMissing:
-    pass

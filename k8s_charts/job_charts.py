@@ -20,8 +20,8 @@ from k8s_charts.pods import (
 )
 from k8s_charts.volcano import Action, Event, LifecyclePolicy, VolcanoJob, VolcanoTask
 from training.contract import (
-    DATASETS_DIR, FSX_MOUNT, EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, LAUNCH_ENVIRONMENT, PLATFORM_TUNING,
-    SPOT_NOTICE_ENV, TRAINER_MODULE, cache_dir, client_tls_environment, launch_command,
+    DATASETS_DIR, FSX_MOUNT, EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, LAUNCH_ENVIRONMENT,
+    PLATFORM_TUNING, SPOT_NOTICE_ENV, TRAINER_MODULE, cache_dir, client_tls_environment, launch_command,
 )
 
 # Kept free on every node for the kubelet, the OS and the platform's DaemonSets.

@@ -54,7 +54,12 @@ def add_platform_stacks(scope: Construct, config: PlatformConfig, env: Environme
     prefix = config.name_prefix
     # Explicit names: in a pipeline stage the stacks keep the names the README and the CLI use.
     network = NetworkStack(
-        scope, f"{prefix}-network", stack_name=f"{prefix}-network", config=config, env=env, description=f"{prefix}: training VPC and compute subnet"
+        scope,
+        f"{prefix}-network",
+        stack_name=f"{prefix}-network",
+        config=config,
+        env=env,
+        description=f"{prefix}: training VPC and compute subnet",
     )
     registry = RegistryStack(
         scope,

@@ -120,3 +120,27 @@ def etcd_module():
     """One etcd for a module's tests; each job uses its own rendezvous id."""
     with LocalEtcd() as endpoint:
         yield endpoint
+
+
+# Tests that start real processes (torchrun agents, etcd clusters, trainers, the CLI as users run
+# it), train models, or run whole-repository tools (checkov, the CDK CLI; cfn-lint's tests carry the
+# mark themselves): `make test` runs them, `make test-fast` (pytest -m "not slow") leaves them out.
+# Named by module, so a new test in one of these files is slow without saying so; a name here that
+# is no test module fails collection.
+SLOW_MODULES = {
+    "test_allreduce_bench", "test_bad_samples", "test_batch_retry", "test_bench", "test_chart_rendezvous",
+    "test_checkov", "test_device_decode", "test_durable_checkpoints", "test_elastic_scale", "test_elastic_training",
+    "test_etcd_quorum", "test_fixed_global_batch", "test_job_lifecycle", "test_lagged_agreement", "test_models",
+    "test_operator_safety", "test_prepare_imagenet", "test_rendezvous_v3", "test_resume_safety", "test_stage_data",
+    "test_stop_budget", "test_synth_offline", "test_throughput_benchmark", "test_trainctl_cli",
+    "test_trainer_metrics", "test_trainer_output", "test_worker_lifecycle",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    unknown = sorted(name for name in SLOW_MODULES if not (REPO / "tests" / f"{name}.py").is_file())
+    if unknown:
+        raise pytest.UsageError(f"tests/conftest.py SLOW_MODULES names no test module: {', '.join(unknown)}")
+    for item in items:
+        if item.path.stem in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -12,8 +12,8 @@ import pytest
 
 def torchvision_importable() -> bool:
     try:
-        import torchvision.io  # noqa: F401
-        import torchvision.models  # noqa: F401
+        import torchvision.io
+        import torchvision.models  # noqa: F401 - imported to see whether it loads (with torchvision.io above)
     except Exception:  # noqa: BLE001 - not installed, or PyPI's wheel beside CPU torch
         return False
     return True

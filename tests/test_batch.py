@@ -245,7 +245,7 @@ def test_preflight_counts_the_compute_environments_into_the_ec2_quotas():
     from trainctl.preflight import quota_checks
 
     class Quotas:
-        def get_service_quota(self, ServiceCode, QuotaCode):  # noqa: N803 - boto3's names
+        def get_service_quota(self, ServiceCode, QuotaCode):  # boto3's names
             return {"Quota": {"Value": 400.0}}
 
     checks = {c.name: c for c in quota_checks(CONFIG, Quotas())}

@@ -136,7 +136,10 @@ def test_the_result_matches_an_uninterrupted_run(retried, uninterrupted):
     retried_state, solo_state = final_state(retried["fsx"]), final_state(uninterrupted)
     for name, tensor in solo_state["model"].items():
         assert torch.allclose(retried_state["model"][name], tensor, atol=1e-5), name
-    last = lambda fsx: [e for e in read_events(fsx / "metrics.jsonl") if e["event"] == "step"][-1]["loss"]  # noqa: E731
+
+    def last(fsx):
+        return [e for e in read_events(fsx / "metrics.jsonl") if e["event"] == "step"][-1]["loss"]
+
     assert last(retried["fsx"]) == pytest.approx(last(uninterrupted), rel=1e-4, abs=1e-6)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from training.data.batch_slots import BatchSlots, FilledSlot, slot_count
 from training.config import load_train_config
-from training.data.datasets import BadSample, Keyed, build_loader
+from training.data.datasets import BadSample, build_loader
 from training.data.feed import DeviceFeed
 from training.device import detect
 from training.data.sampler import ElasticBatchPlan, Layout, MicroBatchSampler
@@ -57,12 +57,12 @@ def test_workers_writing_into_slots_give_the_plain_loaders_batches_while_every_s
         got.append((inputs.clone(), target.clone(), index, weight, problems))
         slots.copied(None)
     assert len(got) == len(expected)
-    for (x, t, i, w, p), (ex, et, ei, ew, ep) in zip(got, expected):
+    for (x, t, i, w, p), (ex, et, ei, ew, ep) in zip(got, expected, strict=True):
         assert torch.equal(x, ex) and torch.equal(t, et) and torch.equal(i, ei) and torch.equal(w, ew)
         assert x.dtype == ex.dtype and t.dtype == et.dtype and w.dtype == ew.dtype
         assert p == ep
     bad = [(int(i), float(w), p) for _, _, index, weight, problems in got
-           for i, w, p in zip(index, weight, problems) if p]
+           for i, w, p in zip(index, weight, problems, strict=True) if p]
     assert bad and all(i % 7 == 3 and w == 0.0 and "truncated file" in p for i, w, p in bad)
 
 
@@ -97,7 +97,7 @@ def test_the_feed_reads_from_slots_and_hands_each_back_when_the_next_loader_may_
     for epoch in range(2):  # a second loader reuses the same slots
         feed = DeviceFeed(_loader(1, slots, epoch), detect("cpu"), channels_last=True, slots=slots)
         reference = expected if epoch == 0 else _plain(_loader(1, None, epoch))
-        for ex, et, ei, ew, ep in reference:
+        for _ex, et, ei, _ew, ep in reference:
             batch = feed.take()
             feed.ahead()
             assert torch.equal(batch.target, et) and torch.equal(batch.index, ei) and batch.problems == ep

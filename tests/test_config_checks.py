@@ -21,7 +21,7 @@ def test_the_az_table_is_motos_region_data():
 
     moto = {region: "".join(sorted(zone.name.removeprefix(region) for zone in zones))
             for region, zones in RegionsAndZonesBackend.zones.items()}
-    assert AVAILABILITY_ZONES == moto
+    assert moto == AVAILABILITY_ZONES
 
 
 def one_problem(**changes) -> str:

@@ -49,7 +49,7 @@ def test_the_crop_is_drawn_from_the_seed_and_the_file_size_alone():
     crops = {random_crop(375, 500, seed=s) for s in range(50)}
     assert len(crops) == 50 and {c.flip for c in crops} == {True, False}
     for crop in crops:
-        assert 0 <= crop.top and crop.top + crop.height <= 375 and 0 <= crop.left and crop.left + crop.width <= 500
+        assert crop.top >= 0 and crop.top + crop.height <= 375 and crop.left >= 0 and crop.left + crop.width <= 500
 
 
 # torchvision 0.28.0's RandomResizedCrop.get_params (scale 0.08-1, ratio 3/4-4/3) and then
@@ -78,7 +78,7 @@ def test_the_cpu_decoder_gives_the_workers_pixels_and_labels_exactly(folder):
     assert len(batch[0].ready) == 3  # the PNGs and the grayscale JPEG arrive decoded; colour JPEGs as bytes
     pixels, problems = PillowDecoder()(batch[0], 32, torch.device("cpu"))
     assert problems == {}
-    for key, image, label in zip(keys(len(pillow)), pixels, batch[1].tolist()):
+    for key, image, label in zip(keys(len(pillow)), pixels, batch[1].tolist(), strict=True):
         expected, expected_label = pillow[key]
         assert torch.equal(image, expected) and label == expected_label
 
@@ -152,7 +152,8 @@ def test_nvjpeg_gives_pillows_samples_within_interpolation_tolerance(folder, sub
     assert problems == {} and pixels.device.type == "cuda"
     expected = torch.stack([pillow[key][0] for key in keys(len(pillow))])
     difference = (pixels.cpu().float() - expected.float()).abs()
-    per_image = [(Path(s).name, round(float(d.mean()), 2), float(d.max())) for s, d in zip(batch[0].sources, difference)]
+    per_image = [(Path(s).name, round(float(d.mean()), 2), float(d.max()))
+                 for s, d in zip(batch[0].sources, difference, strict=True)]
     print(subsampling, per_image)
     # The crop is the same; the decoders differ by their IDCT's rounding and, with 4:2:0, by how
     # they upsample chroma (libjpeg interpolates, nvJPEG replicates), largest at sharp colour edges.
@@ -253,11 +254,11 @@ def test_the_batched_crop_and_resize_equals_torchs_antialiased_resize_of_each_cr
     batched = resize_crops(images, crops, 48)
     each = torch.stack([torch.nn.functional.interpolate(
         image[None, :, c.top : c.top + c.height, c.left : c.left + c.width].float(), size=(48, 48),
-        mode="bilinear", antialias=True)[0] for image, c in zip(images, crops)])
+        mode="bilinear", antialias=True)[0] for image, c in zip(images, crops, strict=True)])
     assert batched.shape == (40, 3, 48, 48)
     assert torch.allclose(batched, each, atol=1e-3)  # float rounding only
     rounded = batched.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
-    expected = torch.stack([apply_crop(image, c, 48) for image, c in zip(images, crops)])
+    expected = torch.stack([apply_crop(image, c, 48) for image, c in zip(images, crops, strict=True)])
     assert int((rounded.int() - expected.int()).abs().max()) <= 1
     # Chunks bounded by padded pixels (here one or two images each) give the same pixels.
     assert torch.allclose(resize_crops(images, crops, 48, pixel_budget=40_000), batched, atol=1e-4)

@@ -23,7 +23,7 @@ from config.catalog import INSTANCE_TYPE_LABEL
 from config.model import SUPPORTED_KUBERNETES_VERSIONS
 from config.versions import ADDON_VERSIONS, CLUSTER_AUTOSCALER_CHARTS, MIN_VPC_CNI_FOR_EFA_ONLY, autoscaler_minor, semver
 from tests.conftest import VARIANTS, config_variant
-from tests.test_cluster_stack import HELM, helm_charts, props, resources, template, values
+from tests.test_cluster_stack import HELM, helm_charts, props, resources, values
 from tests.upstream_charts import NVIDIA_0_17_1_DEFAULT_AFFINITY, PLACEMENT, schedulable_on
 
 DEVICE_PLUGINS = {"nvidia-device-plugin": "nvidia", "neuron-helm-chart": "neuron", "aws-efa-k8s-device-plugin": "efa"}

@@ -40,7 +40,8 @@ def test_the_gpu_image_adds_the_torchvision_built_for_the_pinned_torch():
     assert torchvision == f"0.{torch_minor + 15}.0"  # 0.28 goes with 2.13, 0.26 with 2.11 (each release pairs so)
     # torchvision 0.29 deprecates the decoders data.decode=device calls (training/data/decode.py), in
     # favour of TorchCodec: a torch that needs 0.29 or later needs that decoder moved first.
-    assert int(torchvision.split(".")[1]) < 29, "torchvision.io.decode_jpeg is deprecated from 0.29: move NvjpegDecoder to TorchCodec"
+    assert int(torchvision.split(".")[1]) < 29, (
+        "torchvision.io.decode_jpeg is deprecated from 0.29: move NvjpegDecoder to TorchCodec")
     assert "-r /tmp/requirements-gpu.txt" in (DOCKER / "Dockerfile.gpu").read_text()
 
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from training.devtools.drills import INTERVAL, etcd_drill, events, every_sample_once, incarnation_drill, trainer_args
+from training.devtools.drills import INTERVAL, etcd_drill, events, every_sample_once, incarnation_drill
 from training.contract import EXIT_RESTART_JOB
-from training.devtools.local_cluster import Agent, LocalEtcd, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -82,7 +82,7 @@ def test_the_cnn_computes_torchvisions_function(name):
             value.uniform_(0.8, 1.2)
     theirs.load_state_dict(state)
     assert [v.shape for v in ours.state_dict().values()] == [v.shape for v in state.values()]
-    ours.load_state_dict(dict(zip(ours.state_dict(), state.values())))
+    ours.load_state_dict(dict(zip(ours.state_dict(), state.values(), strict=True)))
     images = torch.randn(4, 3, 64, 64, dtype=torch.float64)
     for mode in ("eval", "train"):  # train: batch statistics, stochastic depth and dropout drawn alike
         ours.train(mode == "train"), theirs.train(mode == "train")
@@ -92,7 +92,7 @@ def test_the_cnn_computes_torchvisions_function(name):
             torch.manual_seed(1)
             reference = theirs(images)
         torch.testing.assert_close(mine, reference, rtol=1e-9, atol=1e-9, msg=f"{name} in {mode} mode")
-    for mine, reference in zip(ours.state_dict().values(), theirs.state_dict().values()):
+    for mine, reference in zip(ours.state_dict().values(), theirs.state_dict().values(), strict=True):
         torch.testing.assert_close(mine, reference, rtol=1e-9, atol=1e-9)
 
 
@@ -109,7 +109,8 @@ def hugging_face_names(model) -> dict[str, torch.Tensor]:
     """The trainer's BERT weights under transformers' BertForMaskedLM names."""
     ours, theirs = model.state_dict(), {}
     embeddings = "bert.embeddings."
-    for mine, name in [("word", "word_embeddings"), ("position", "position_embeddings"), ("token_type", "token_type_embeddings")]:
+    for mine, name in [("word", "word_embeddings"), ("position", "position_embeddings"),
+                       ("token_type", "token_type_embeddings")]:
         theirs[f"{embeddings}{name}.weight"] = ours[f"{mine}.weight"]
     pairs = {"embed_norm": f"{embeddings}LayerNorm", "mlm_transform.0": "cls.predictions.transform.dense",
              "mlm_transform.2": "cls.predictions.transform.LayerNorm"}

@@ -87,14 +87,18 @@ def test_no_ingress_from_the_internet(synth, variant):
 def test_node_security_group_passes_all_traffic_to_and_from_itself_only(example):
     """EFA needs all traffic within the group, both ways; and nothing else may be opened here."""
     t = example.template(example.platform.network)
-    (sg_id,) = t.find_resources("AWS::EC2::SecurityGroup", {"Properties": {"GroupDescription": Match.string_like_regexp("^Worker nodes")}})
+    (sg_id,) = t.find_resources("AWS::EC2::SecurityGroup",
+                                {"Properties": {"GroupDescription": Match.string_like_regexp("^Worker nodes")}})
     own = {"Fn::GetAtt": [sg_id, "GroupId"]}
-    ingress = [r["Properties"] for r in t.find_resources("AWS::EC2::SecurityGroupIngress").values() if r["Properties"]["GroupId"] == own]
-    egress = [r["Properties"] for r in t.find_resources("AWS::EC2::SecurityGroupEgress").values() if r["Properties"]["GroupId"] == own]
+    ingress = [r["Properties"] for r in t.find_resources("AWS::EC2::SecurityGroupIngress").values()
+               if r["Properties"]["GroupId"] == own]
+    egress = [r["Properties"] for r in t.find_resources("AWS::EC2::SecurityGroupEgress").values()
+              if r["Properties"]["GroupId"] == own]
     assert [(r["IpProtocol"], r["SourceSecurityGroupId"]) for r in ingress] == [("-1", own)]
     assert [(r["IpProtocol"], r["DestinationSecurityGroupId"]) for r in egress] == [("-1", own)]
     # Nothing inline; CloudFormation drops the default allow-all egress once the rule above exists.
-    assert not {"SecurityGroupIngress", "SecurityGroupEgress"} & set(t.find_resources("AWS::EC2::SecurityGroup")[sg_id]["Properties"])
+    inline = set(t.find_resources("AWS::EC2::SecurityGroup")[sg_id]["Properties"])
+    assert not {"SecurityGroupIngress", "SecurityGroupEgress"} & inline
     assert "NodeSecurityGroupId" in t.find_outputs("*")
 
 

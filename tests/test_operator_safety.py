@@ -12,45 +12,18 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 from kubernetes import client
 
+from tests import trainctl_fixtures
 from tests.conftest import REPO
-from tests.test_trainctl_kube import CONFIG, JOBS_PATH, SPEC, FakeApiServer
+from tests.test_trainctl_kube import CONFIG, JOBS_PATH, SPEC
+from tests.trainctl_fixtures import kubeconfig
 from trainctl.errors import UserError
 from trainctl.jobs import Jobs, render
 
-
-def kubeconfig(path, server_url: str, context: str = "lab") -> str:
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": context,
-        "clusters": [{"name": "c", "cluster": {"server": server_url}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": context, "context": {"cluster": "c", "user": "u"}}],
-    }))
-    return str(path)
-
-
-@pytest.fixture
-def server():
-    fake = FakeApiServer()
-    yield fake
-    fake.httpd.shutdown()
-
-
-@pytest.fixture
-def cli(server, tmp_path):
-    """``trainctl --context lab ...`` against the fake API server: (exit code, stdout, stderr)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(KUBECONFIG=kubeconfig(tmp_path / "kubeconfig", server.url), AWS_EC2_METADATA_DISABLED="true",
-               AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
-
-    def run(*args: str, stdin: str = "", extra_env: dict | None = None) -> tuple[int, str, str]:
-        result = subprocess.run([sys.executable, "-m", "trainctl", *args], cwd=REPO, capture_output=True, text=True,
-                                input=stdin, timeout=120, env={**env, **(extra_env or {})})
-        return result.returncode, result.stdout, result.stderr
-
-    return run
+# The fixtures of tests/trainctl_fixtures.py, under the names the tests ask for.
+server = trainctl_fixtures.server
+cli = trainctl_fixtures.cli
 
 
 def jobs_of(server) -> Jobs:

@@ -78,7 +78,10 @@ def test_stages_follow_the_config_with_approval_before_prod(pipeline):
     names = [s["Name"] for s in stages(template)]
     assert names[:3] == ["Source", "Build", "UpdatePipeline"] and names[-2:] == ["dev", "prod"]
     by_name = {s["Name"]: s for s in stages(template)}
-    first = lambda stage: min(by_name[stage]["Actions"], key=lambda a: a["RunOrder"])  # noqa: E731
+
+    def first(stage):
+        return min(by_name[stage]["Actions"], key=lambda a: a["RunOrder"])
+
     assert first("prod")["ActionTypeId"]["Category"] == "Approval"
     assert all(a["ActionTypeId"]["Category"] != "Approval" for a in by_name["dev"]["Actions"])
 
@@ -123,6 +126,7 @@ def test_artifacts_are_encrypted_with_a_rotated_key_and_the_source_needs_no_cred
     assert "OAuthToken" not in json.dumps(template)
 
 
+@pytest.mark.slow  # cfn-lint over whole templates
 def test_cfn_lint_clean_for_the_pipeline_and_its_stages(pipeline):
     _, _, _, outdir = pipeline
     paths = [outdir / "mltrain-pipeline.template.json", *sorted(outdir.glob("assembly-*/*.template.json"))]

@@ -76,7 +76,8 @@ REVIEWED_ACKNOWLEDGEMENTS = {
     # aws-cdk-lib's own cluster role, kubectl provider and custom-resource Lambda.
     ("mltrain-cluster/Cluster/Role",
      "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonEKSClusterPolicy]"),
-    *{("mltrain-cluster/Cluster/KubectlProvider", f"AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{p}]")
+    *{("mltrain-cluster/Cluster/KubectlProvider",
+       f"AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{p}]")
       for p in ("AmazonEC2ContainerRegistryReadOnly", "service-role/AWSLambdaBasicExecutionRole",
                 "service-role/AWSLambdaVPCAccessExecutionRole")},
     ("mltrain-cluster/Cluster/KubectlProvider",

@@ -102,7 +102,8 @@ def test_lustre_ports_are_exactly_988_and_1018_to_1023_with_nodes_and_itself(exa
 def test_data_and_checkpoints_sync_both_ways_with_s3(synth, variant):
     result = synth(VARIANTS[variant])
     t = storage(result)
-    (bucket_id, _), = t.find_resources("AWS::S3::Bucket", {"Properties": {"VersioningConfiguration": Match.any_value()}}).items()
+    (bucket_id, _), = t.find_resources("AWS::S3::Bucket",
+                                       {"Properties": {"VersioningConfiguration": Match.any_value()}}).items()
     links = {}
     for dra in t.find_resources(DRA).values():
         p = dra["Properties"]

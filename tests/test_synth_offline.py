@@ -67,7 +67,8 @@ def default_synths(tmp_path_factory, offline_env):
 
 
 def test_pinned_cli_version():
-    result = subprocess.run([str(CDK), "--version"], capture_output=True, text=True, env={**os.environ, "PATH": f"{CDK.parent}:{os.environ['PATH']}"})
+    result = subprocess.run([str(CDK), "--version"], capture_output=True, text=True,
+                            env={**os.environ, "PATH": f"{CDK.parent}:{os.environ['PATH']}"})
     assert result.stdout.startswith("2.1148."), result.stdout
 
 

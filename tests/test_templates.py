@@ -69,6 +69,7 @@ def test_template_snapshots(synth, variant, json_snapshot):
         assert mask_asset_hashes(json.loads(path.read_text())) == json_snapshot(name=f"{variant}-{stack_name}")
 
 
+@pytest.mark.slow  # cfn-lint over whole templates: 3-4 s a variant
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_cfn_lint_clean(synth, variant):
     result = synth(VARIANTS[variant])

@@ -19,7 +19,7 @@ BENCHMARK = REPO / "benchmarks" / "throughput.py"
 CPUS = len(os.sched_getaffinity(0))
 
 sys.path.insert(0, str(BENCHMARK.parent))
-import throughput  # noqa: E402
+import throughput  # noqa: E402 - benchmarks/ is no package: imported from its folder, after the path insert
 
 
 @pytest.mark.skipif(CPUS < 2, reason="needs a CPU to leave out")

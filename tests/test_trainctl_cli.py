@@ -4,18 +4,20 @@ subcommand, shell completion. Against the loopback API server, as users run it."
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import urllib.parse
 
 import boto3
-import pytest
 from moto import mock_aws
 
+from tests import trainctl_fixtures
 from tests.conftest import REPO
-from tests.test_operator_safety import cli, kubeconfig, server  # noqa: F401 - fixtures
-from tests.test_trainctl_kube import CONFIG, JOBS_PATH
+from tests.test_trainctl_kube import CONFIG
+
+# The fixtures of tests/trainctl_fixtures.py (shared with test_operator_safety), under the names the tests ask for.
+server = trainctl_fixtures.server
+cli = trainctl_fixtures.cli
 
 JOB = "k8s_charts/examples/resnet50-p4d.yaml"
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 
 from tests.conftest import REPO
 from training.config import TrainConfig, load_train_config, parse_overrides
@@ -91,7 +92,7 @@ def test_a_missing_config_file_is_one_line(tmp_path):
 
 
 def test_config_is_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         TrainConfig().train.epochs = 3  # type: ignore[misc]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -114,7 +115,7 @@ def test_reported_throughput_is_wall_clock_between_reports(tmp_path):
                       "--data.synthetic_samples=8192", "--train.precision=fp32")).run()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["event"] == "step"]
-    for before, after in zip(steps, steps[1:]):
+    for before, after in itertools.pairwise(steps):
         external = (after["step"] - before["step"]) * 32 / (after["time"] - before["time"])
         assert after["samples_per_s"] == pytest.approx(external, rel=0.02)
 

@@ -78,7 +78,7 @@ def test_crashes_after_progress_do_not_spend_the_restart_budget(tmp_path, etcd_m
                                 if e["time"] > events(tmp_path, "rendezvous")[-1]["time"]],
                        f"a checkpoint in round {crash + 1}", 120, [agent])
             agent.kill_workers()
-            wait_until(lambda: len(events(tmp_path, "rendezvous")) > seen, "the restart", 120, [agent])
+            wait_until(lambda seen=seen: len(events(tmp_path, "rendezvous")) > seen, "the restart", 120, [agent])
         assert agent.wait(timeout=240) == 0, agent.output()[-3000:]
     finally:
         agent.stop()

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # noqa: BLE001 - user mistakes become one line; real faults keep their traceback
+    except Exception as exc:  # user mistakes become one line; real faults keep their traceback
         from k8s_charts.node import NodeRuntimeMissing
         from trainctl.errors import UserError, from_aws
 

@@ -63,7 +63,7 @@ class Jobs:
     def _call(self, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - API and transport errors users cause become one line
+        except Exception as exc:  # API and transport errors users cause become one line
             error = from_kube(exc, self.server)
             if error is None:
                 raise

@@ -31,7 +31,7 @@ def eks_token(session, cluster_name: str, region: str) -> str:
 
 def api_client(session, cluster_name: str, region: str, context: str | None = None):
     """A kubernetes ApiClient for the cluster (or for ``context`` from the kubeconfig)."""
-    from kubernetes import client, config as kubeconfig
+    from kubernetes import client
 
     from trainctl.errors import UserError
 
@@ -46,9 +46,8 @@ def api_client(session, cluster_name: str, region: str, context: str | None = No
                         "deploy the platform (npx cdk deploy --all) or check `name_prefix` and `region`") from None
     configuration = client.Configuration()
     configuration.host = cluster["endpoint"]
-    ca = tempfile.NamedTemporaryFile(prefix="eks-ca-", suffix=".crt", delete=False)  # noqa: SIM115
-    ca.write(base64.b64decode(cluster["certificateAuthority"]["data"]))
-    ca.close()
+    with tempfile.NamedTemporaryFile(prefix="eks-ca-", suffix=".crt", delete=False) as ca:
+        ca.write(base64.b64decode(cluster["certificateAuthority"]["data"]))
     configuration.ssl_ca_cert = ca.name
     configuration.api_key = {"authorization": "Bearer " + eks_token(session, cluster_name, region)}
     return client.ApiClient(configuration)

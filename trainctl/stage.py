@@ -101,7 +101,7 @@ def stage_data(source: Path, s3, bucket: str, prefix: str, progress=None,
     def upload(path: Path) -> tuple[Path, int, bool]:
         try:
             return _upload(path)
-        except Exception as exc:  # noqa: BLE001 - one file's failure must not stop the others; reported below
+        except Exception as exc:  # one file's failure must not stop the others; reported below
             raise _FileFailed(f"{path}: {type(exc).__name__}: {exc}") from exc
 
     def _upload(path: Path) -> tuple[Path, int, bool]:

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-# Before anything slow: a worker whose agent dies while it imports torch must not train alone.
+import argparse
+import logging
+import os
+import sys
+
+# Before anything slow (the standard library above is not): a worker whose agent dies while it
+# imports torch must not train alone.
 from training.loop.worker_guard import die_with_agent  # isort: skip
 from training.contract import EXIT_CONFIG, EXIT_DIVERGED  # isort: skip
 
 die_with_agent()
 
-import argparse  # noqa: E402
-import logging  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
-
-from typed_config import ConfigError  # noqa: E402
+from typed_config import ConfigError  # noqa: E402 - after die_with_agent(): it imports pydantic, which is slow
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     prepare.add_argument("--verify", action="store_true",
                          help="also decode every image (all cores) and list those that fail in ROOT/bad-images.txt")
 
-    sweep = commands.add_parser("allreduce-bench", help="all-reduce bandwidth sweep across the job's nodes (run under torchrun)")
+    sweep = commands.add_parser("allreduce-bench",
+                                help="all-reduce bandwidth sweep across the job's nodes (run under torchrun)")
     sweep.add_argument("--min-bytes", type=int, default=8)
     sweep.add_argument("--max-bytes", type=int, default=1 << 30)
     sweep.add_argument("--iterations", type=int, default=20)

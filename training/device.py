@@ -83,7 +83,7 @@ def detect(requested: str = "auto") -> Runtime:
 
 def _neuron_runtime() -> Runtime | None:
     try:
-        import torch_xla.core.xla_model as xm  # noqa: F401 - present only in the Neuron image
+        import torch_xla.core.xla_model as xm  # present only in the Neuron image
         import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" process-group backend
     except ImportError:
         return None

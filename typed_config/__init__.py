@@ -69,7 +69,7 @@ def read_yaml_mapping(path: str | Path, missing_hint: str) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(source, [f"cannot read the file ({exc.strerror}); {missing_hint}"]) from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

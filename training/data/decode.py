@@ -103,7 +103,7 @@ class PillowDecoder:
 
         out = torch.zeros(len(batch), size, size, 3, dtype=torch.uint8)
         problems: dict[int, str] = {}
-        for i, (data, crop) in enumerate(zip(batch.data, batch.crops)):
+        for i, (data, crop) in enumerate(zip(batch.data, batch.crops, strict=True)):
             if i in batch.ready:
                 out[i] = batch.ready[i]
                 continue
@@ -158,7 +158,7 @@ def _gather_crops(images: list[Tensor], crops: list[Crop], tall: int, wide: int)
         offset += image.numel()
     # Per image: where its crop starts in ``flat``, its plane and row strides, its crop's size.
     layout = torch.tensor([[start + c.top * image.shape[2] + c.left, image.shape[1] * image.shape[2],
-                            image.shape[2], c.height, c.width] for start, c, image in zip(starts, crops, images)])
+                            image.shape[2], c.height, c.width] for start, c, image in zip(starts, crops, images, strict=True)])
     layout = _to_device(layout, device)
     first, plane, row, height, width = layout.unbind(1)
     y = torch.minimum(torch.arange(tall, device=device)[None], height[:, None] - 1)  # [n, tall]
@@ -211,7 +211,7 @@ class NvjpegDecoder:
         decoded = self._decode_all([data[i] for i in todo], device)
         finished = {i: ready.to(device, non_blocking=True) for i, ready in batch.ready.items()}  # uint8 HWC
         problems: dict[int, str] = {}
-        for i, image in zip(todo, decoded):
+        for i, image in zip(todo, decoded, strict=True):
             if not isinstance(image, Tensor):
                 fallback, failed = self._fallback(batch.one(i), size, device)  # what nvJPEG could not read
                 finished[i] = fallback[0]
@@ -219,7 +219,7 @@ class NvjpegDecoder:
                     problems[i] = failed[0]
         # One crop-and-resize for the batch: this runs on the feed thread, which shares the GIL
         # with training, so a few kernels per chunk of images beat a few per image.
-        good = [(i, image) for i, image in zip(todo, decoded) if isinstance(image, Tensor)]
+        good = [(i, image) for i, image in zip(todo, decoded, strict=True) if isinstance(image, Tensor)]
         positions = [i for i, _ in good]
         cropped = resize_crops([image for _, image in good], [batch.crops[i] for i in positions], size) if good else None
         if len(positions) == len(batch):
@@ -257,7 +257,7 @@ class NvjpegDecoder:
 
 def nvjpeg_available() -> bool:
     try:
-        from torchvision.io import decode_jpeg  # noqa: F401
+        from torchvision.io import decode_jpeg  # noqa: F401 - imported to see whether it loads
     except Exception:  # noqa: BLE001 - not installed, or a wheel built for another torch
         return False
     return torch.cuda.is_available()

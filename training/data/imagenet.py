@@ -91,7 +91,8 @@ def verify_images(root: Path, workers: int | None = None) -> tuple[int, list[str
                     if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
     with ProcessPoolExecutor(workers or os.cpu_count()) as pool:
         problems = list(pool.map(_decode_problem, images, chunksize=64))
-    return len(images), [f"{path.relative_to(root)}: {problem}" for path, problem in zip(images, problems) if problem]
+    return len(images), [f"{path.relative_to(root)}: {problem}"
+                         for path, problem in zip(images, problems, strict=True) if problem]
 
 
 def prepare_imagenet(root: str | Path, labels_path: str | Path, expect_classes: int, manifest: str | None,

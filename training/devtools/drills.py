@@ -9,6 +9,7 @@ these records; ``benchmarks/elastic_recovery.py`` prints them as the cost table 
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections import Counter
@@ -104,7 +105,7 @@ def _stall(work: Path, start: float, end: float) -> float:
     """The longest time without a step line from ``start`` on, up to ``end`` or now, whichever is first."""
     end = min(end, time.time())
     times = [start] + [e["time"] for e in _steps_between(work, start, end)]
-    return max((b - a for a, b in zip(times, times[1:])), default=end - start)
+    return max((b - a for a, b in itertools.pairwise(times)), default=end - start)
 
 
 def sample_records(work: Path) -> list[dict]:

@@ -6,6 +6,7 @@ Used by the elastic tests and the recovery benchmark; handy for trying a config 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -146,10 +147,10 @@ class LocalEtcdCluster:
 
     def __init__(self, size: int = 3):
         chosen = free_ports(2 * size)
-        ports = list(zip(chosen[:size], chosen[size:]))
+        ports = list(zip(chosen[:size], chosen[size:], strict=True))
         peers = {f"member-{i}": f"http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports)}
         self.members: list[LocalEtcd] = []
-        for i, (client, peer) in enumerate(ports):
+        for i, (client, _peer) in enumerate(ports):
             member = LocalEtcd(client_port=client)
             member._extra = etcd_arguments(
                 f"member-{i}", member.data_dir, peers=peers, listen_client_urls=[f"http://127.0.0.1:{client}"],
@@ -238,10 +239,8 @@ class Agent:
         """SIGKILL the agent's worker processes (a crash, an OOM kill), not the agent."""
         at = time.time()
         for pid in self.worker_pids():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         return at
 
     def crash_loop(self, timeout: float) -> int:
@@ -266,10 +265,8 @@ class Agent:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.proc.wait()
         self._log.close()
 

@@ -116,7 +116,8 @@ def trainer_loop(config: TrainConfig, steps: int, warmup: int) -> float:
         })
         with contextlib.redirect_stdout(io.StringIO()):
             Trainer(config).run()
-        records = [json.loads(line) for line in open(f"{scratch}/metrics.jsonl")]
+        with open(f"{scratch}/metrics.jsonl") as lines:
+            records = [json.loads(line) for line in lines]
     reports = [r for r in records if r["event"] == "step"]  # at step warmup, then warmup + steps
     first, last = reports[0], reports[-1]
     return (last["step"] - first["step"]) * config.train.micro_batch_size / (last["time"] - first["time"])

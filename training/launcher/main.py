@@ -129,9 +129,9 @@ def _warm_up_trainer() -> None:
     has imported it before forking them.
     """
     started = time.monotonic()
-    import torch._dynamo  # noqa: F401 - imported for its side effect: the modules are loaded
+    import torch._dynamo  # noqa: F401 - imported for its side effect: the modules are loaded before the fork
 
-    import training.loop.trainer  # noqa: F401 - likewise
+    import training.loop.trainer  # noqa: F401 - likewise: imported for its side effect, before the fork
 
     log.info("the trainer is imported (%.1f s); this node is ready to join", time.monotonic() - started)
 
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         # Only a job's success closes its round: this node came after the end.
         log.info("the job finished before this node could join; nothing to do")
         return 0
-    except Exception as exc:  # noqa: BLE001 - any other end of the agent: this incarnation is over
+    except Exception as exc:  # any other end of the agent: this incarnation is over
         log.error("the agent ended with %s: %s; asking for a fresh incarnation of the job",
                   type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", exc_info=exc)
         return EXIT_RESTART_JOB

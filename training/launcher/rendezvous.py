@@ -43,6 +43,7 @@ address the round's state names (``use_agent_store`` is false).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -228,10 +229,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=2 * self._tuning.keep_alive_interval + self._tuning.read_timeout)
         if self._lease:
-            try:
+            with contextlib.suppress(EtcdUnavailable, OSError):  # then the lease expires by itself
                 self._client.lease_revoke(self._lease)
-            except (EtcdUnavailable, OSError):
-                pass  # the lease expires by itself
             self._lease = 0
         return True
 
@@ -523,7 +522,7 @@ class EtcdStore(Store):
         while True:
             current: KeyValue | None = self._retry(lambda: self._client.get(full))
             value = (int(current.value) if current else 0) + num
-            written, _ = self._retry(lambda: self._client.txn(
+            written, _ = self._retry(lambda current=current, value=value: self._client.txn(
                 [unchanged_since(full, current.mod_revision if current else 0)], [op_put(full, str(value))]))
             if written:
                 return value

@@ -88,7 +88,7 @@ def broadcast_state(state: Any, device: torch.device, src: int = 0, bucket_bytes
             flat = torch.empty(sum(sizes), dtype=dtype, device=device)
         dist.broadcast(flat, src=src)
         if not sending:
-            for i, part in zip(members, torch.split(flat, sizes)):
+            for i, part in zip(members, torch.split(flat, sizes), strict=True):
                 received[i] = part.view(specs[i][1])  # views of the bucket: no second copy
         del flat
     return state if sending else _fill(skeleton, received)

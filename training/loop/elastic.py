@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training.contract import (  # noqa: F401 - IMDS_ENDPOINT_ENV and SPOT_NOTICE_ENV: the names callers use
-    CONTROL_DIR_ENV, IMDS_ENDPOINT_ENV, REGROUP_SIGNAL, SPOT_NOTICE_ENV,
+from training.contract import (  # IMDS_ENDPOINT_ENV and SPOT_NOTICE_ENV: the names callers use, as elastic.NAME
+    CONTROL_DIR_ENV, IMDS_ENDPOINT_ENV, REGROUP_SIGNAL, SPOT_NOTICE_ENV as SPOT_NOTICE_ENV,
 )
 
 log = logging.getLogger(__name__)
@@ -280,10 +280,10 @@ class SpotNotice:
             try:
                 token_request = urllib.request.Request(f"{self._endpoint}/latest/api/token", method="PUT", headers={
                     "X-aws-ec2-metadata-token-ttl-seconds": "300"})
-                token = urllib.request.urlopen(token_request, timeout=2).read().decode()  # noqa: S310
+                token = urllib.request.urlopen(token_request, timeout=2).read().decode()
                 request = urllib.request.Request(f"{self._endpoint}/latest/meta-data/spot/instance-action",
                                                  headers={"X-aws-ec2-metadata-token": token})
-                self.action = json.loads(urllib.request.urlopen(request, timeout=2).read()).get("action")  # noqa: S310
+                self.action = json.loads(urllib.request.urlopen(request, timeout=2).read()).get("action")
                 log.warning("EC2 Spot interruption notice (%s): checkpointing now, before the drain", self.action)
                 self._seen.set()
                 return

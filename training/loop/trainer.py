@@ -237,7 +237,7 @@ class Trainer:
         if not directory:
             return None
         Path(directory).mkdir(parents=True, exist_ok=True)
-        return open(Path(directory) / f"samples-{self.attempt}-rank{self.rank}.jsonl", "a", buffering=1)  # noqa: SIM115
+        return open(Path(directory) / f"samples-{self.attempt}-rank{self.rank}.jsonl", "a", buffering=1)
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -491,7 +491,7 @@ class Trainer:
     def _skip(self, index: Tensor, problems: list[str]) -> list[int]:
         """Samples that could not be read: named in the log, counted, trained as weight-0 padding."""
         skipped = []
-        for sample, problem in zip(index.tolist(), problems):
+        for sample, problem in zip(index.tolist(), problems, strict=True):
             if problem:
                 log.warning("skipping sample %d at step %d: %s", sample, self.progress.step, problem)
                 skipped.append(sample)

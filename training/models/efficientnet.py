@@ -63,7 +63,8 @@ def _round_channels(channels: float, divisor: int = 8) -> int:
 Norm = Callable[[int], nn.Module]
 
 
-def _conv_bn_act(cin: int, cout: int, kernel: int, norm: Norm, stride: int = 1, groups: int = 1, act: bool = True) -> nn.Sequential:
+def _conv_bn_act(cin: int, cout: int, kernel: int, norm: Norm, stride: int = 1, groups: int = 1,
+                 act: bool = True) -> nn.Sequential:
     layers = [nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False), norm(cout)]
     return nn.Sequential(*layers, nn.SiLU(inplace=True)) if act else nn.Sequential(*layers)
 
