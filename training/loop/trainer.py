@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training.loop import elastic
 from training.data.batch_slots import BatchSlots, slot_count
 from training.loop.broadcast import broadcast_state
-from training.loop.checkpoint import CheckpointError, CheckpointManager, Saved
+from training.loop.checkpoint import CheckpointError, CheckpointManager
 from training.config import TrainConfig
 from training.contract import (
     CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, PROGRESS_FILE_ENV, STOP_BUDGET_ENV, WRITING_MARKER, checkpoint_name,
@@ -37,6 +37,7 @@ from training.device import Runtime, detect
 from training.loop.compile import compile_with_fallback, should_compile
 from training.loop.metrics import MetricsWriter, stdout_is_for_people
 from training.loop.objective import count_training_flops, learning_rate, per_sample_loss
+from training.loop.checkpointer import Checkpointer
 from training.loop.save_policy import SavePolicy
 from training.loop.resume import decide
 from training.loop.state import Progress, TrainState, rng_state, seed_all, set_rng_state, signature
@@ -44,10 +45,6 @@ from training.models import build_model
 from training.data.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
 
 log = logging.getLogger(__name__)
-# A checkpoint write longer than this share of the stop budget is warned about.
-STOP_BUDGET_SHARE = 0.8
-# Seconds of the stop budget kept back when a dying trainer waits for its checkpoint write.
-EXIT_MARGIN_S = 5
 
 
 class Diverged(Exception):
@@ -120,23 +117,20 @@ class Trainer:
         self.metrics = MetricsWriter(self.rank == 0, config.metrics.jsonl_path, config.metrics.tensorboard_dir,
                                      progress=stdout_is_for_people(config.metrics.stdout))
         checkpoint = config.checkpoint
-        self.checkpoints = CheckpointManager(
-            checkpoint.dir, checkpoint.keep_last, checkpoint.async_save, checkpoint.staging_dir,
-            on_saved=self._announce_saved if self.rank == 0 else None,
-        )
+        self.checkpoints = CheckpointManager(checkpoint.dir, checkpoint.keep_last, checkpoint.async_save,
+                                             checkpoint.staging_dir)
+        # Rank 0 decides when to save (the others never need to know the newest step on disk).
+        self.checkpointer = Checkpointer(self.checkpoints, SavePolicy(checkpoint.interval_steps, checkpoint.async_save),
+                                         self.metrics, self.stop_budget_s, self._writing_marker)
         self.progress = Progress()
         self.resumed_from: int | None = None
         self.flops_per_sample: float | None = None  # counted once per run, kept in the checkpoints
         self._saved_step: int | None = None
-        # Rank 0 decides when to save (the others never need to know the newest step on disk).
-        self.saves = SavePolicy(checkpoint.interval_steps, checkpoint.async_save)
-        self._recent_step_s: float | None = None  # moving average of the step time
-        self._budget_warned = False
         self._bad_pending = 0  # samples skipped on this rank since the last count across ranks
         self._nonfinite: Tensor | None = None  # single process: a non-finite loss seen since the last check
         self.agreement = elastic.LaggedAgreement(self._flag_device())
         resume_event = self._resume()
-        self.saves.durable_step = self.progress.step
+        self.checkpointer.policy.durable_step = self.progress.step
         self.attempt = self._agree_on_attempt_id()
         self.first_step = self.progress.step
 
@@ -324,7 +318,8 @@ class Trainer:
             self._save(synchronous=True, reason="spot-notice")
         elif save_now:
             self._save(synchronous=False)
-        self._keep_loss_bound()
+        if self.rank == 0:
+            self.checkpointer.keep_loss_bound(self.progress.step)
         if run.paced_gc and self.progress.step % self.config.train.gc_every_steps == 0:
             gc.collect(1)
 
@@ -336,8 +331,7 @@ class Trainer:
         if (self.distributed and self.first_start
                 and self.progress.step - self.first_step == self.config.distributed.warmup_steps):
             elastic.shorten_timeout(self.config.distributed.timeout_s)
-        self._recent_step_s = step_time if self._recent_step_s is None else (
-            0.9 * self._recent_step_s + 0.1 * step_time)
+        self.checkpointer.stepped(self.progress.step, step_time)
 
     def _finish(self, run: "_Run") -> TrainResult:
         """After the loop: settle the agreement, save the end of a finished run, report, close."""
@@ -400,9 +394,9 @@ class Trainer:
         if not self.distributed:
             self._nonfinite = not_finite if self._nonfinite is None else self._nonfinite | not_finite
             self.regrouping = self.stop.regroup and not self.stop.requested
-            save_now = self.rank == 0 and self.saves.due(self.progress.step, self.checkpoints.in_flight)
+            save_now = self.rank == 0 and self.checkpointer.due(self.progress.step)
             return self.stop.requested or self.stop.regroup, self.spot.pending, save_now
-        save_next = self.rank == 0 and self.saves.ask_ahead(self.progress.step, self.checkpoints.in_flight)
+        save_next = self.rank == 0 and self.checkpointer.ask_ahead(self.progress.step)
         agreed = self.agreement.exchange(self.stop.requested, self.spot.pending, save_next, not_finite,
                                          self.stop.regroup)
         if agreed is None:  # the first step of this attempt: nothing was asked a step ago
@@ -562,22 +556,6 @@ class Trainer:
 
     # --- checkpoints -----------------------------------------------------------------------
 
-    def _keep_loss_bound(self) -> None:
-        """Rank 0, before the next step: never train more than one interval past the newest
-        checkpoint on disk (a kill then loses at most ``checkpoint.interval_steps`` steps)."""
-        if self.rank == 0 and self.saves.must_wait(self.progress.step, self.checkpoints.in_flight):
-            self.checkpoints.wait()
-
-    def _announce_saved(self, saved: Saved) -> None:
-        """Rank 0, from the writer: the file is durable. Called from the writer thread when asynchronous."""
-        if self._writing_marker is not None:
-            self._writing_marker.unlink(missing_ok=True)
-        spanned = max(0, self.progress.step - saved.step)  # steps trained while it was written
-        self.saves.saved(saved.step, saved.write_s, self._recent_step_s)
-        self.metrics.event("checkpoint_saved", step=saved.step, path=str(saved.path), bytes=saved.bytes,
-                           write_s=round(saved.write_s, 3), blocking_s=round(saved.blocking_s, 4),
-                           steps_during_write=spanned)
-
     def _save(self, synchronous: bool, reason: str = "interval") -> None:
         # Never save, nor prune a good checkpoint for, a state that is not finite.
         self._check_finite()
@@ -600,33 +578,13 @@ class Trainer:
                 schedule={"name": self.config.optim.schedule, "base_lr": self.config.optim.lr,
                           "lr_scale": self.lr_scale, "lr": self.optimizer.param_groups[0]["lr"]},
             ).state_dict()
-            asynchronous = self.checkpoints.async_save and not synchronous
-            self.metrics.event("checkpoint_started", step=progress.step, reason=reason, asynchronous=asynchronous,
-                               stop_budget_s=self.stop_budget_s)
-            if self._writing_marker is not None:
-                self._writing_marker.touch()
-            self.checkpoints.save(progress.step, state, asynchronous=asynchronous)
-            last = self.checkpoints.last_saved
-            if last is not None and last.write_s > STOP_BUDGET_SHARE * self.stop_budget_s and not self._budget_warned:
-                self._budget_warned = True
-                log.warning("a checkpoint takes %.1f s to write, more than %.0f%% of the %.0f s a SIGTERM leaves "
-                            "before SIGKILL: raise the pod's grace period or write less", last.write_s,
-                            100 * STOP_BUDGET_SHARE, self.stop_budget_s)
+            self.checkpointer.write(progress.step, state, reason, synchronous)
         if synchronous and self.distributed:
             dist.barrier()  # nobody exits before the checkpoint is on disk
 
     def finish_writing(self) -> None:
         """A trainer on its way out (an error, a lost peer) waits, within its stop budget, for its write."""
-        if not self.checkpoints.in_flight:
-            return
-        bound = max(1.0, self.stop_budget_s - EXIT_MARGIN_S)
-        log.warning("waiting up to %.0f s for the checkpoint being written before exiting", bound)
-        try:
-            if not self.checkpoints.wait(timeout=bound):
-                log.error("the checkpoint write did not finish within %.0f s; the job resumes from the one before",
-                          bound)
-        except Exception as exc:  # noqa: BLE001 - exiting anyway; say why the write failed
-            log.error("the checkpoint write failed: %s", exc)
+        self.checkpointer.finish_writing()
 
 
 @dataclass
