@@ -166,3 +166,80 @@ def test_setting_aside_keeps_the_files_but_no_longer_loads_them(tmp_path):
     where = manager.set_aside()
     assert manager.steps() == [] and (where / "step-000000003.pt").exists()
     assert where.parent == tmp_path / "set-aside"
+
+
+@pytest.mark.parametrize("keep_last", [1, 2])
+def test_retention_never_removes_the_newest_readable_checkpoint(tmp_path, keep_last):
+    """A job resumed past unreadable newer files (torn by a crash, overwritten by some tool): its
+    first save must not count them toward keep_last and delete the checkpoint it just wrote."""
+    writer = CheckpointManager(tmp_path, keep_last=5)
+    for step in (1, 5, 6):
+        writer.save(step, {"step": step})
+    for step in (5, 6):
+        writer.path(step).write_bytes(writer.path(step).read_bytes()[:20])
+    set_aside = []
+    resumed = CheckpointManager(tmp_path, keep_last=keep_last, on_set_aside=lambda *args: set_aside.append(args))
+    assert resumed.load_newest().step == 1
+    resumed.save(2, {"step": 2})
+
+    assert resumed.steps() == ([2] if keep_last == 1 else [1, 2])
+    assert resumed.load_newest().step == 2
+    (where, files), = set_aside  # moved, not deleted, and reported
+    assert sorted(p.name for p in where.iterdir()) == ["step-000000005.pt", "step-000000006.pt"]
+    assert where.parent == tmp_path / "set-aside"
+    assert [f.split(":")[0] for f in files] == ["step-000000006.pt", "step-000000005.pt"]
+
+
+def test_unreadable_files_found_at_a_save_are_set_aside_without_a_resume_first(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    manager.save(1, {"step": 1})
+    manager.path(2).write_bytes(b"\0" * 64)  # a newer file this manager never read
+    manager.path(0).write_bytes(b"\0" * 64)  # an older one: retention would remove it, but it is evidence
+    manager.save(3, {"step": 3})
+    assert manager.steps() == [3]
+    (where,) = (tmp_path / "set-aside").iterdir()
+    assert sorted(p.name for p in where.iterdir()) == ["step-000000000.pt", "step-000000002.pt"]
+
+
+def _failing_reads(monkeypatch, path, failures):
+    """torch.load of ``path`` raises EIO ``failures`` times, then reads: a file server that was away."""
+    import errno
+
+    load, left = torch.load, {"n": failures}
+
+    def flaky(f, *args, **kwargs):
+        if str(f) == str(path) and left["n"]:
+            left["n"] -= 1
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(f))
+        return load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", flaky)
+    monkeypatch.setattr("training.loop.checkpoint.READ_RETRY_DELAYS_S", (0.01, 0.01, 0.01))
+    return left
+
+
+def test_a_transient_read_error_is_retried_not_taken_for_a_bad_file(tmp_path, monkeypatch):
+    from training.loop.resume import decide
+
+    manager = CheckpointManager(tmp_path / "checkpoints", staging_dir=tmp_path / "staging")
+    manager.save(4, {"step": 4, "model": {}})
+    left = _failing_reads(monkeypatch, manager.path(4), failures=2)
+    decision = decide(manager, {}, {}, "start_fresh")
+    assert decision["kind"] == "resume" and decision["step"] == 4 and left["n"] == 0
+    assert not (tmp_path / "checkpoints" / "set-aside").exists()
+
+
+def test_a_read_error_that_persists_does_not_start_fresh_over_the_checkpoints(tmp_path, monkeypatch):
+    from training.loop.resume import decide
+
+    manager = CheckpointManager(tmp_path / "checkpoints", staging_dir=tmp_path / "staging")
+    manager.save(4, {"step": 4, "model": {}})
+    _failing_reads(monkeypatch, manager.path(4), failures=100)
+    decision = decide(manager, {}, {}, "start_fresh")
+    assert decision["kind"] == "refuse" and manager.steps() == [4]
+    assert decision["message"].startswith(
+        f"checkpoint.dir: {manager.path(4)} cannot be read (Input/output error) after 4 tries")
+    # A file that is really bad still starts fresh as told.
+    monkeypatch.undo()
+    manager.path(4).write_bytes(b"\0" * 64)
+    assert decide(manager, {}, {}, "start_fresh")["kind"] == "fresh"

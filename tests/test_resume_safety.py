@@ -157,6 +157,26 @@ def test_when_no_checkpoint_can_be_read_it_refuses_unless_told_to_start_fresh(tm
     assert events(tmp_path, "finished")[-1]["step"] == 6
 
 
+@pytest.mark.parametrize("keep_last", [1, 2])
+def test_a_job_resumed_past_torn_checkpoints_keeps_what_it_saves(tmp_path, keep_last):
+    """Steps 4 and 6 torn: the job resumes from 2 and saves 3. Retention counting the torn files
+    toward keep_last kept them and deleted step 3, the one it had just written."""
+    assert train(tmp_path, steps=6, interval=2).returncode == 0
+    for step in (4, 6):
+        path = tmp_path / "checkpoints" / f"step-00000000{step}.pt"
+        path.write_bytes(path.read_bytes()[:100])
+    resumed = train(tmp_path, f"--checkpoint.keep_last={keep_last}", steps=3, interval=2)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert events(tmp_path, "resume")[-1]["step"] == 2
+    on_disk = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*.pt"))
+    assert on_disk == (["step-000000003.pt"] if keep_last == 1 else ["step-000000002.pt", "step-000000003.pt"])
+    assert torch.load(tmp_path / "checkpoints" / "step-000000003.pt", weights_only=True)["progress"]["step"] == 3
+    (moved,) = events(tmp_path, "checkpoints_set_aside")
+    assert sorted(p.name for p in Path(moved["path"]).iterdir()) == ["step-000000004.pt", "step-000000006.pt"]
+    assert [f.split(":")[0] for f in moved["files"]] == ["step-000000006.pt", "step-000000004.pt"]
+    assert "moved 2 unreadable checkpoint(s)" in resumed.stderr
+
+
 def test_a_non_finite_loss_stops_with_its_own_status_and_saves_nothing(tmp_path):
     assert train(tmp_path, steps=4, interval=2).returncode == 0
     before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").glob("step-*.pt")}

@@ -197,3 +197,53 @@ def test_garbage_is_collected_every_few_steps_and_python_decides_again_afterward
         gc.callbacks.remove(seen)
     assert paced == ([(4, 1), (8, 1)] if every else [])
     assert gc.isenabled()
+
+
+def test_a_resume_with_another_sequence_length_counts_the_flops_again(tmp_path, monkeypatch):
+    """BERT's second phase resumes the 128-token phase at 512 tokens: a sample then costs ~4x the
+    FLOPs, and the figure kept in the checkpoint (counted at 128) would make MFU 4x too low."""
+    import training.loop.trainer as trainer_module
+    from training.loop.objective import count_training_flops
+
+    def bert(seq_len: int, steps: int):
+        return small_run(tmp_path, "--model.name=bert_tiny", f"--data.seq_len={seq_len}", "--data.num_workers=0",
+                         "--train.global_batch_size=4", "--train.micro_batch_size=2", f"--train.max_steps={steps}",
+                         "--train.log_every_steps=2", "--train.precision=fp32")
+
+    Trainer(bert(16, 2)).run()
+    first = torch.load(tmp_path / "checkpoints" / "step-000000002.pt", weights_only=True)["flops_per_sample"]
+    counted = []
+
+    def counting(config):
+        counted.append(config.data.seq_len)
+        return count_training_flops(config)
+
+    monkeypatch.setattr(trainer_module, "count_training_flops", counting)
+    resumed = Trainer(bert(64, 4))
+    assert resumed.resumed_from == 2
+    resumed.run()
+    assert counted == [64]  # counted again, once, for the new length
+    fresh = count_training_flops(bert(64, 4))
+    assert resumed.flops_per_sample == fresh and fresh > 3 * first
+    saved = torch.load(tmp_path / "checkpoints" / "step-000000004.pt", weights_only=True)
+    assert saved["flops_per_sample"] == fresh and saved["flops_counted_for"]["data.seq_len"] == 64
+
+    # Resumed again at the same length: the figure in the checkpoint is the one for it.
+    counted.clear()
+    Trainer(bert(64, 6)).run()
+    assert counted == []
+
+
+def test_throughput_counts_the_real_samples_of_an_epochs_short_last_batch(tmp_path):
+    """48 samples, 32 a step: each epoch's second step trains 16 real samples and 16 of padding
+    (weight 0). Samples/s counts the 16, in the step lines and in the finished event."""
+    Trainer(small_run(tmp_path, "--data.synthetic_samples=48", "--train.epochs=2", "--train.max_steps=null",
+                      "--train.log_every_steps=1", "--train.precision=fp32", "--model.image_size=32")).run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["event"] == "step"]
+    # samples/s × seconds per step: the samples each one-step window trained (both from one clock reading).
+    trained = [r["samples_per_s"] * r["step_time_s"] for r in steps]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert trained == [pytest.approx(n, rel=0.2) for n in (32, 16, 32, 16)]
+    (finished,) = [r for r in records if r["event"] == "finished"]
+    assert finished["samples_per_s"] * finished["elapsed_s"] == pytest.approx(96, rel=0.05)

@@ -34,6 +34,11 @@ TEMPORARY_NAME = re.compile(r"^step-\d{9}\.pt\.[^/]+\.tmp$")
 # writing to it; the largest checkpoints take minutes, not an hour).
 STALE_TEMPORARY_S = 3600
 SET_ASIDE = "set-aside"
+# Seconds between the tries of a read that fails with an I/O error (EIO, ESTALE, a timeout): such
+# an error may pass (a file server failing over, a client reconnecting), and taking the file for a
+# bad one would skip it, or with start_fresh set every checkpoint aside. One that persists is
+# reported as an I/O error, and start_fresh refuses over it (training/loop/resume.py).
+READ_RETRY_DELAYS_S = (0.5, 1.0, 2.0)
 # Fault injection for tests: seconds each write sleeps before its rename (a slow file system).
 SLOW_WRITE_ENV = "TRAINING_FAULT_SLOW_CHECKPOINT_WRITE_S"
 
@@ -73,21 +78,29 @@ class Newest:
     path: Path | None = None
     bytes_read: int = 0
     unreadable: list[str] = field(default_factory=list)  # "step-…: reason", newest first
+    # Of those, the files the file system failed to read (after READ_RETRY_DELAYS_S): they may be
+    # fine, so starting afresh over them is refused.
+    io_errors: list[str] = field(default_factory=list)
 
 
 class CheckpointManager:
     """Writes and finds checkpoints in one directory; at most one write is in flight."""
 
     def __init__(self, directory: str | Path, keep_last: int = 3, async_save: bool = False,
-                 staging_dir: str | Path | None = None, on_saved: Callable[[Saved], None] | None = None):
+                 staging_dir: str | Path | None = None, on_saved: Callable[[Saved], None] | None = None,
+                 on_set_aside: Callable[[Path, list[str]], None] | None = None):
         self.directory = Path(directory)
         self.staging_dir = Path(staging_dir) if staging_dir else self.directory / ".staging"
         self.keep_last = keep_last
         self.async_save = async_save
         self.on_saved = on_saved
+        # Told where unreadable files were moved and why ("step-…: reason"), by retention.
+        self.on_set_aside = on_set_aside
         self.last_saved: Saved | None = None
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
+        # What is known of each file: step -> ((mtime, size), None if readable else the reason).
+        self._verdicts: dict[int, tuple[tuple[int, int], str | None]] = {}
 
     # --- finding -------------------------------------------------------------------------
 
@@ -107,12 +120,18 @@ class CheckpointManager:
         for step in reversed(self.steps()):
             path = self.path(step)
             try:
-                result.state = torch.load(path, map_location="cpu", weights_only=True)
+                result.state = _load(path)
+            except FileNotFoundError:
+                continue  # removed since the listing (another writer's retention): not a bad file
             except Exception as exc:  # noqa: BLE001 - any unreadable file means: try the previous one
                 reason = _why_unreadable(path, exc)
+                self._remember(step, reason)
                 result.unreadable.append(f"{path.name}: {reason}")
+                if isinstance(exc, OSError):
+                    result.io_errors.append(f"{path.name}: {reason}")
                 log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, reason)
                 continue
+            self._remember(step, None)
             result.step, result.path, result.bytes_read = step, path, path.stat().st_size
             return result
         return result
@@ -151,12 +170,14 @@ class CheckpointManager:
         target.unlink(missing_ok=True)
         self._remove_stale_temporaries()
 
-    def set_aside(self) -> Path:
-        """Move every checkpoint into ``<dir>/set-aside/<UTC time>/`` (kept, no longer loaded)."""
+    def set_aside(self, steps: list[int] | None = None) -> Path:
+        """Move the checkpoints of ``steps`` (all by default) into ``<dir>/set-aside/<UTC time>/``:
+        kept, no longer loaded."""
         target = self.directory / SET_ASIDE / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         target.mkdir(parents=True, exist_ok=True)
-        for step in self.steps():
+        for step in self.steps() if steps is None else steps:
             os.replace(self.path(step), target / checkpoint_name(step))
+            self._verdicts.pop(step, None)
         _fsync_directory(self.directory)
         return target
 
@@ -223,6 +244,7 @@ class CheckpointManager:
             temporary.unlink(missing_ok=True)
             raise
         _fsync_directory(self.directory)
+        self._remember(step, None)  # written whole and synced: readable
         write_s = time.perf_counter() - started
         self.last_saved = Saved(step, final, size, write_s, copy_s + write_s if synchronous else copy_s)
         if self.on_saved is not None:
@@ -230,9 +252,60 @@ class CheckpointManager:
         self._prune()
 
     def _prune(self) -> None:
-        for step in self.steps()[: -self.keep_last]:
+        """Keep the newest ``keep_last`` readable checkpoints, remove older readable ones, and set
+        unreadable ones aside (moved, reported): an unreadable file never counts toward
+        ``keep_last``, so the newest readable checkpoint, the one just written, is never removed
+        to keep a torn newer file. Each file is checked once (see _unreadable)."""
+        kept, unreadable, surplus = 0, [], []
+        for step in reversed(self.steps()):
+            reason = self._unreadable(step)
+            if reason is not None:
+                unreadable.append((step, reason))
+            elif kept < self.keep_last:
+                kept += 1
+            else:
+                surplus.append(step)
+        for step in surplus:
             self.path(step).unlink(missing_ok=True)
+            self._verdicts.pop(step, None)
+        if unreadable:
+            where = self.set_aside([step for step, _ in unreadable])
+            files = [f"{checkpoint_name(step)}: {reason}" for step, reason in unreadable]
+            log.warning("moved %d unreadable checkpoint(s) to %s: %s", len(files), where, "; ".join(files))
+            if self.on_set_aside is not None:
+                self.on_set_aside(where, files)
         self._remove_stale_temporaries()
+
+    def _unreadable(self, step: int) -> str | None:
+        """Why the checkpoint of ``step`` cannot be read, or None. Known for a file this manager
+        wrote or read; otherwise checked with the tensors memory-mapped, not read (torch.load
+        mmap=True, torch/serialization.py v2.13.0): the zip directory and the pickled structure
+        are read and checked as a full load checks them, which catches torn, truncated and
+        overwritten files and ones that hold code."""
+        path = self.path(step)
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            return None  # gone since the listing
+        known = self._verdicts.get(step)
+        if known is not None and known[0] == (stat.st_mtime_ns, stat.st_size):
+            return known[1]
+        try:
+            _load(path, mmap=True)
+            reason = None
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - any failure to read makes it unreadable
+            reason = _why_unreadable(path, exc)
+        self._remember(step, reason)
+        return reason
+
+    def _remember(self, step: int, reason: str | None) -> None:
+        try:
+            stat = self.path(step).stat()
+        except OSError:
+            return
+        self._verdicts[step] = ((stat.st_mtime_ns, stat.st_size), reason)
 
     def _remove_stale_temporaries(self) -> None:
         """Temporary files of writers that died mid-write, once nobody has touched them for an hour."""
@@ -247,8 +320,30 @@ class CheckpointManager:
                 pass  # another writer cleaned it up first
 
 
+def _load(path: Path, mmap: bool = False) -> Any:
+    """``torch.load`` of a checkpoint (tensors and plain values only), trying again after an I/O
+    error. torch.load opens a path with Python's ``open`` and its zip reader reads through that
+    file object (torch/serialization.py v2.13.0, ``_open_file_like``, ``_open_zipfile_reader``),
+    so a failed read anywhere in the load arrives as the file system's ``OSError`` (checked by
+    failing each read of a load in turn); a torn or refused file raises RuntimeError or
+    UnpicklingError instead, and is not tried again."""
+    for delay in (*READ_RETRY_DELAYS_S, None):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            if delay is None:
+                raise
+            log.warning("reading %s failed (%s); trying again in %.1f s", path, exc.strerror or exc, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
 def _why_unreadable(path: Path, exc: Exception) -> str:
     """The reason in a few words (torch's own message for a refused file suggests loading it unsafely)."""
+    if isinstance(exc, OSError):
+        return f"cannot be read ({exc.strerror or exc}) after {len(READ_RETRY_DELAYS_S) + 1} tries"
     try:
         with open(path, "rb") as handle:
             magic = handle.read(4)

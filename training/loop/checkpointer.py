@@ -34,6 +34,7 @@ class Checkpointer:
         self.recent_step_s: float | None = None  # moving average of the step time
         self._budget_warned = False
         manager.on_saved = self._announce
+        manager.on_set_aside = self._set_aside
 
     def stepped(self, step: int, step_time_s: float) -> None:
         self.step = step
@@ -76,6 +77,10 @@ class Checkpointer:
         self.metrics.event("checkpoint_saved", step=saved.step, path=str(saved.path), bytes=saved.bytes,
                            write_s=round(saved.write_s, 3), blocking_s=round(saved.blocking_s, 4),
                            steps_during_write=spanned)
+
+    def _set_aside(self, where: Path, files: list[str]) -> None:
+        """Retention moved unreadable checkpoints out of the way (kept there for a look)."""
+        self.metrics.event("checkpoints_set_aside", path=str(where), files=files)
 
     def finish_writing(self) -> None:
         """On the way out (an error, a lost peer): wait, within the stop budget, for the write in flight."""

@@ -40,6 +40,14 @@ def decide(checkpoints: CheckpointManager, signature: dict[str, Any], model: dic
                     "bytes_read": newest.bytes_read, "read_s": time.perf_counter() - started,
                     "unreadable": newest.unreadable}
         problem = f"checkpoint.dir: {newest.path} does not fit this job: {problem}"
+    if if_unusable == "start_fresh" and newest.state is None and newest.io_errors:
+        # The file system failed to read a file (after retries), which says nothing of the file:
+        # starting at step 0 would throw away a run that a later restart can resume.
+        name, reason = newest.io_errors[0].split(": ", 1)
+        return {"kind": "refuse", "message": f"checkpoint.dir: {checkpoints.directory / name} {reason}; not "
+                                             "starting fresh over checkpoints that may be intact (checkpoint."
+                                             "if_unusable=start_fresh); allowed: run again once the file system "
+                                             "reads them, or another checkpoint.dir"}
     if if_unusable == "start_fresh":
         where = checkpoints.set_aside()
         log.warning("%s; moved every checkpoint to %s and starting at step 0 (checkpoint.if_unusable="

@@ -57,12 +57,20 @@ class TrainState:
     world_size: int
     global_batch: int
     schedule: dict[str, Any]
+    # What flops_per_sample was counted for (flops_key): a resume with another sequence length
+    # (BERT's 128 -> 512 phase) or image size counts again rather than keep a figure 4x off.
+    flops_counted_for: dict[str, Any] = field(default_factory=dict)
+
+    def flops_for(self, key: dict[str, Any]) -> float | None:
+        """The FLOPs per sample kept here if they were counted for ``key``, else None (count again)."""
+        return self.flops_per_sample if self.flops_counted_for == key else None
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "signature": self.signature, "model": self.model, "optimizer": self.optimizer, "scaler": self.scaler,
             "schedule": self.schedule, "progress": self.progress.state_dict(), "rng": self.rng,
             "world_size": self.world_size, "global_batch": self.global_batch, "flops_per_sample": self.flops_per_sample,
+            "flops_counted_for": self.flops_counted_for,
         }
 
     @classmethod
@@ -73,7 +81,7 @@ class TrainState:
             scaler=state.get("scaler") or {}, progress=Progress.from_state_dict(state["progress"]),
             rng=state["rng"], flops_per_sample=state.get("flops_per_sample"),
             world_size=state.get("world_size", len(state["rng"])), global_batch=state.get("global_batch", 0),
-            schedule=state.get("schedule") or {},
+            schedule=state.get("schedule") or {}, flops_counted_for=state.get("flops_counted_for") or {},
         )
 
 
@@ -85,6 +93,13 @@ def signature(config: TrainConfig) -> dict[str, Any]:
     if model.name in IMAGE_MODELS:
         found["model.image_size"] = model.image_size
     return found
+
+
+def flops_key(config: TrainConfig) -> dict[str, Any]:
+    """Everything count_training_flops (training/loop/objective.py) counts one sample's FLOPs from."""
+    model, data = config.model, config.data
+    return {"model.name": model.name, "model.num_classes": model.num_classes, "model.image_size": model.image_size,
+            "data.seq_len": data.seq_len, "data.masked_per_sequence": data.masked_per_sequence}
 
 
 def mismatch(state: dict[str, Any], signature: dict[str, Any], model: dict[str, torch.Tensor]) -> str | None:

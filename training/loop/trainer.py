@@ -40,7 +40,7 @@ from training.loop.objective import count_training_flops, learning_rate, per_sam
 from training.loop.checkpointer import Checkpointer
 from training.loop.save_policy import SavePolicy
 from training.loop.resume import decide
-from training.loop.state import Progress, TrainState, rng_state, seed_all, set_rng_state, signature
+from training.loop.state import Progress, TrainState, flops_key, rng_state, seed_all, set_rng_state, signature
 from training.models import build_model
 from training.data.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
 
@@ -204,7 +204,7 @@ class Trainer:
         if self.scaler.is_enabled() and state.scaler:
             self.scaler.load_state_dict(state.scaler)
         self.progress = state.progress
-        self.flops_per_sample = state.flops_per_sample
+        self.flops_per_sample = state.flops_for(flops_key(self.config))
         if self.rank < len(state.rng):
             set_rng_state(state.rng[self.rank])
         else:  # a rank that did not exist when the checkpoint was written
@@ -301,8 +301,11 @@ class Trainer:
 
     def _train_step(self, run: "_Run", feed: DeviceFeed) -> None:
         """The loop body: a step, the ranks' agreement on it, then report, stop or checkpoint as agreed."""
+        # The epoch's last global batch is short, padded with weight-0 samples: only real ones count.
+        real = self.plan.real_samples(self.progress.offset)
         loss, data_wait, step_time = self._step(feed)
-        run.window.add(loss, data_wait)
+        run.window.add(loss, data_wait, real)
+        run.samples += real
         self._after_step(run, step_time)
         stop_now, notice, save_now = self._agree(loss)
         # The run's last step reports here too, before the loader's workers are torn down: that
@@ -348,8 +351,7 @@ class Trainer:
         self.metrics.event("stop" if run.stopped else "finished", step=self.progress.step,
                            signal=self.stop.signal_name, by_peer=run.stopped and not self.stop.requested,
                            bad_samples=self.progress.bad_samples, elapsed_s=round(elapsed, 3),
-                           samples_per_s=round((self.progress.step - run.first_step) * self.global_batch / elapsed, 2)
-                           if elapsed else None, loss=run.last_loss,
+                           samples_per_s=round(run.samples / elapsed, 2) if elapsed else None, loss=run.last_loss,
                            checkpoint=str(self.checkpoints.path(newest[-1])) if newest else None)
         self.metrics.close()
         if self.sample_log:
@@ -522,7 +524,7 @@ class Trainer:
         # window (a CPU-side timer around each step would miss the work still queued on a GPU).
         elapsed = window.elapsed()
         mean_loss = loss_total / window.steps
-        samples_per_s = window.steps * self.global_batch / elapsed if elapsed else 0.0
+        samples_per_s = window.samples / elapsed if elapsed else 0.0
         peak = self.runtime.peak_memory_bytes()
         mfu = None
         if flops_per_sample and self.runtime.peak_flops:
@@ -574,7 +576,8 @@ class Trainer:
             state = TrainState(
                 signature=signature(self.config), model=self.module.state_dict(), optimizer=self.optimizer.state_dict(),
                 scaler=self.scaler.state_dict(), progress=progress.closing(self.attempt, self.first_step), rng=states,
-                flops_per_sample=self.flops_per_sample, world_size=self.world_size, global_batch=self.global_batch,
+                flops_per_sample=self.flops_per_sample, flops_counted_for=flops_key(self.config),
+                world_size=self.world_size, global_batch=self.global_batch,
                 schedule={"name": self.config.optim.schedule, "base_lr": self.config.optim.lr,
                           "lr_scale": self.lr_scale, "lr": self.optimizer.param_groups[0]["lr"]},
             ).state_dict()
@@ -596,6 +599,7 @@ class _Run:
     paced_gc: bool  # train.gc_every_steps: the loop collects garbage itself, at step boundaries
     started: float = field(default_factory=time.perf_counter)
     window: "_Window | None" = None
+    samples: int = 0  # real samples trained this round (padding left out)
     last_loss: float | None = None
     stopped: bool = False
 
@@ -610,12 +614,14 @@ class _Window:
     def reset(self) -> None:
         self.loss_sum: Tensor | float = 0.0
         self.steps = 0
+        self.samples = 0
         self.data_wait = 0.0
         self.started = time.perf_counter()
 
-    def add(self, loss: Tensor, data_wait: float) -> None:
+    def add(self, loss: Tensor, data_wait: float, samples: int) -> None:
         self.loss_sum = loss if isinstance(self.loss_sum, float) else self.loss_sum + loss
         self.steps += 1
+        self.samples += samples
         self.data_wait += data_wait
 
     def elapsed(self) -> float:
