@@ -33,12 +33,12 @@ def problems(data: dict) -> list[str]:
 
 
 @pytest.mark.parametrize(("args", "line"), [
-    ({"optim.lrr": 0.1}, "trainer_args.optim.lrr: unknown key; allowed keys here: betas, grad_clip_norm, lr, "),
+    ({"optim.lrr": 0.1}, "trainer_args.optim.lrr: unknown key; allowed keys here: betas, decay_norms_and_biases, "),
     ({"optimm.lr": 0.1}, "trainer_args.optimm: unknown key; allowed keys here: checkpoint, data, distributed, "),
     ({"optim.lr": None}, "trainer_args.optim.lr: got null; allowed: a valid number"),
     ({"optim.lr": "fast"}, 'trainer_args.optim.lr: got "fast"; allowed: a valid number'),
     ({"optim.lr": float("inf")}, 'trainer_args.optim.lr: got "inf"; allowed: a finite number'),
-    ({"train.precision": "fp8"}, "trainer_args.train.precision: got \"fp8\"; allowed: 'fp32', 'bf16' or 'fp16'"),
+    ({"train.precision": "fp8"}, "trainer_args.train.precision: got \"fp8\"; allowed: 'auto', 'fp32', 'bf16' or 'fp16'"),
     ({"model.name": "resnet51"}, 'trainer_args.model.name: got "resnet51"; allowed: resnet18, '),
     ({"data.kind": "mlm_shards"}, 'trainer_args.data.kind: got "mlm_shards"; allowed: synthetic or imagefolder '
                                   "for resnet50"),
@@ -77,8 +77,8 @@ def test_render_refuses_a_typo_in_one_line_and_prints_no_manifest(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
-        f"config error: {path}: trainer_args.optim.lrr: unknown key; allowed keys here: betas, grad_clip_norm, lr, "
-        "momentum, name, schedule, warmup_steps, weight_decay"]
+        f"config error: {path}: trainer_args.optim.lrr: unknown key; allowed keys here: betas, "
+        "decay_norms_and_biases, grad_clip_norm, lr, momentum, name, schedule, warmup_steps, weight_decay"]
 
 
 def test_the_trainer_config_model_imports_without_torch():

@@ -23,9 +23,9 @@ def problems(tmp_path, text: str | None = None, overrides: list[str] = ()) -> li
     return caught.value.problems
 
 
-def test_defaults_are_a_resnet50_bf16_run_with_checkpoints_on_fsx():
+def test_defaults_are_a_resnet50_run_in_the_devices_precision_with_checkpoints_on_fsx():
     config = load_train_config(None)
-    assert (config.model.name, config.train.precision, config.train.global_batch_size) == ("resnet50", "bf16", 256)
+    assert (config.model.name, config.train.precision, config.train.global_batch_size) == ("resnet50", "auto", 256)
     assert config.checkpoint.dir.startswith("/fsx/")
 
 
@@ -45,18 +45,18 @@ def test_override_syntax():
     ("text", "overrides", "expected"),
     [
         (None, ["--optim.learning_rate=0.1"],
-         "optim.learning_rate: unknown key; allowed keys here: betas, grad_clip_norm, lr, momentum, name, "
-         "schedule, warmup_steps, weight_decay"),
+         "optim.learning_rate: unknown key; allowed keys here: betas, decay_norms_and_biases, "
+         "grad_clip_norm, lr, momentum, name, schedule, warmup_steps, weight_decay"),
         (None, ["--trian.epochs=3"], "trian: unknown key; allowed keys here: checkpoint, data, distributed, "
                                      "metrics, model, optim, train"),
-        (None, ["--train.precision=fp8"], "train.precision: got \"fp8\"; allowed: 'fp32', 'bf16' or 'fp16'"),
+        (None, ["--train.precision=fp8"], "train.precision: got \"fp8\"; allowed: 'auto', 'fp32', 'bf16' or 'fp16'"),
         (None, ["--model.name=resnet51"], "model.name: got \"resnet51\"; allowed: resnet18, resnet34, resnet50"),
         (None, ["--train.global_batch_size=0"], "train.global_batch_size: got 0; allowed: greater than 0"),
         (None, ["--data.kind=imagefolder"], "data.path: got null; allowed: a directory on the shared file system"),
         (None, ["--model.name=bert_large", "--data.kind=imagefolder", "--data.path=/fsx/x"],
          "data.kind: got \"imagefolder\"; allowed: synthetic or mlm_shards for bert_large"),
         (None, ["--train.device=cpu", "--train.precision=fp16"],
-         "train.precision: got \"fp16\"; allowed: fp32 or bf16 on cpu"),
+         "train.precision: got \"fp16\"; allowed: auto, fp32 or bf16 on cpu"),
         ("train: [1]\n", [], "train: got [1]; allowed: a valid dictionary or instance of TrainSection"),
         ("train:\n  epochs: 2\n  epochs: 3\n", [], "line 3, column 3: invalid YAML: duplicate key 'epochs'"),
         (None, ["--train.epochs"], "train.epochs: a value is missing; allowed: --train.epochs=VALUE"),

@@ -118,7 +118,7 @@ def test_help_lists_every_key_with_its_default_and_print_config_shows_the_result
     for section, model in TrainConfig.model_fields.items():
         for key in model.annotation.model_fields:
             assert f"  --{section}.{key}=" in help_text
-    assert "  --optim.lr=0.1\n" in help_text and "--train.precision=bf16  (fp32 | bf16 | fp16)" in help_text
+    assert "  --optim.lr=0.1\n" in help_text and "--train.precision=auto  (auto | fp32 | bf16 | fp16)" in help_text
     printed = subprocess.run([sys.executable, "-m", "training", "train", "--print-config", "--optim.lr=0.3",
                               "--model.name=resnet18"], cwd=REPO, capture_output=True, text=True, timeout=60,
                              env=env())

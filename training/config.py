@@ -18,6 +18,11 @@ from training.model_names import IMAGE_MODELS, MASKED_LM_MODELS, MODEL_NAMES
 from typed_config import ConfigError, FieldProblem, StrictModel, format_errors, read_yaml_mapping, show, validate
 
 Positive = Field(gt=0)
+# torchvision's ResNet-50 recipe since v0.11 (IMAGENET1K_V2 weights): --label-smoothing 0.1, passed
+# to nn.CrossEntropyLoss (references/classification/train.py). NVIDIA's ResNet-50 v1.5 recipe
+# (DeepLearningExamples) and "Bag of Tricks" (He et al. 2019) smooth by 0.1 too, with a cosine
+# schedule as ours.
+IMAGE_LABEL_SMOOTHING = 0.1
 
 
 class ModelSection(StrictModel):
@@ -85,9 +90,17 @@ class OptimSection(StrictModel):
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(1e-4, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
+    # Steps of linear warm-up from 0 (step 0 trains at rate 0, as Hugging Face's schedules do).
     warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["cosine", "constant"] = "cosine"
+    # After the warm-up: cosine or linear decay to 0 at the end of the run, or constant; each
+    # Hugging Face's get_{cosine,linear,constant}_schedule_with_warmup (transformers 5.23,
+    # optimization.py), positioned by samples trained so that it survives resizes.
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
     grad_clip_norm: float | None = Field(None, gt=0)
+    # Biases and normalization layers' weights are not decayed, as Hugging Face's Trainer
+    # (get_decay_parameter_names) and torchvision's recipes since v0.11 (--norm-weight-decay 0.0)
+    # leave them. true decays every parameter (torchvision's original ResNet recipe).
+    decay_norms_and_biases: bool = False
 
 
 class TrainSection(StrictModel):
@@ -99,7 +112,13 @@ class TrainSection(StrictModel):
     batch_policy: Literal["fixed_global", "scale_lr"] = "fixed_global"
     epochs: int = Field(90, gt=0)
     max_steps: int | None = Field(None, gt=0)
-    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    # auto: bf16 where the device computes it natively (CUDA compute capability 8.0 and up:
+    # A100, A10G, L4, H100; CPU; Trainium), else fp16 with loss scaling (V100, T4).
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # The cross-entropy is taken against labels smoothed by this much (torch's label_smoothing);
+    # none: 0.1 for image models (torchvision's ResNet-50 recipe since v0.11, --label-smoothing
+    # 0.1), 0 for masked-LM models (BERT's recipe has none).
+    label_smoothing: float | None = Field(None, ge=0, lt=1)
     device: Literal["auto", "cuda", "cpu", "neuron"] = "auto"
     seed: int = 0
     log_every_steps: int = Field(10, gt=0)
@@ -160,8 +179,15 @@ class TrainConfig(StrictModel):
         if self.model.name in IMAGE_MODELS and self.data.kind == "mlm_shards":
             raise FieldProblem("data.kind", self.data.kind, f"synthetic or imagefolder for {self.model.name}")
         if self.train.precision == "fp16" and self.train.device == "cpu":
-            raise FieldProblem("train.precision", "fp16", "fp32 or bf16 on cpu (fp16 needs a GPU)")
+            raise FieldProblem("train.precision", "fp16", "auto, fp32 or bf16 on cpu (fp16 needs a GPU)")
         return self
+
+    @property
+    def label_smoothing(self) -> float:
+        """``train.label_smoothing``, or the model's recipe when it is not set."""
+        if self.train.label_smoothing is not None:
+            return self.train.label_smoothing
+        return 0.0 if self.model.is_masked_lm else IMAGE_LABEL_SMOOTHING
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:

@@ -100,6 +100,11 @@ class Runtime:
     name: str
     peak_flops: float | None
     mark_step: Callable[[], None] = field(default=lambda: None)
+    capability: tuple[int, int] | None = None  # CUDA compute capability (major, minor)
+
+    def precision(self, requested: str) -> str:
+        """``train.precision`` on this device: see :func:`choose_precision`."""
+        return choose_precision(requested, self.kind, self.name, self.capability)
 
     def autocast(self, precision: str) -> contextlib.AbstractContextManager:
         if precision == "fp32":
@@ -126,13 +131,34 @@ class Runtime:
         return torch.amp.GradScaler(self.kind if self.kind != "neuron" else "cpu", enabled=precision == "fp16")
 
 
+def choose_precision(requested: str, kind: str, name: str, capability: tuple[int, int] | None) -> str:
+    """The precision to train in: ``requested`` (train.precision) unless it is ``auto``, which is
+    bf16 where the device computes it natively and fp16 (with a GradScaler) elsewhere.
+
+    CUDA GPUs compute bf16 from compute capability 8.0 (Ampere) on; torch's own test for it
+    reads the same major version (torch 2.13, torch/cuda/__init__.py, ``is_bf16_supported``:
+    ``get_device_properties(device).major >= 8``; below that it answers True when it can merely
+    allocate a bf16 tensor, as a V100 can: emulated, without tensor cores). CPUs and Trainium
+    take bf16. Asking bf16 of a GPU without it is a mistake, said in one line.
+    """
+    native_bf16 = kind != "cuda" or (capability is not None and capability >= (8, 0))
+    if requested == "auto":
+        return "bf16" if native_bf16 else "fp16"
+    if requested == "bf16" and not native_bf16:
+        where = f"{name} (compute capability {'.'.join(map(str, capability))})" if capability else name
+        raise DeviceError(f'train.precision: got "bf16" but {where} has no bf16 tensor cores; allowed here: '
+                          "auto (fp16 with loss scaling here), fp16 or fp32")
+    return requested
+
+
 def detect(requested: str = "auto") -> Runtime:
     """The runtime for ``requested`` (auto: CUDA, else Neuron, else CPU) and this process's LOCAL_RANK."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if requested in ("auto", "cuda") and torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         name = torch.cuda.get_device_name(local_rank)
-        return Runtime("cuda", torch.device("cuda", local_rank), "nccl", name, peak_flops(name))
+        return Runtime("cuda", torch.device("cuda", local_rank), "nccl", name, peak_flops(name),
+                       capability=tuple(torch.cuda.get_device_capability(local_rank)))
     if requested == "cuda":
         raise DeviceError("train.device: got \"cuda\" but torch sees no CUDA device; allowed here: auto, cpu")
     if requested in ("auto", "neuron"):

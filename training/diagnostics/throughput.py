@@ -79,7 +79,7 @@ def bare_loop(config: TrainConfig, steps: int, warmup: int, losses: list[torch.T
             runtime.synchronize()
             started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        with runtime.autocast(config.train.precision):
+        with runtime.autocast(runtime.precision(config.train.precision)):
             loss = per_sample_loss(model, inputs, target, config.model.is_masked_lm,
                                    config.data.masked_per_sequence).mean()
         loss.backward()
@@ -139,8 +139,7 @@ def _mlm_every_position(model, tokens, labels):
     logits = model(tokens)
     token_loss = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100,
                                                    reduction="none")
-    chosen = (labels != -100).float()
-    return (token_loss * chosen).sum(1) / chosen.sum(1).clamp(min=1)
+    return token_loss.sum(1)  # each sequence's sum over its masked tokens, as the trainer's head gives it
 
 
 def _mlm_masked_only(model, tokens, labels, max_predictions):

@@ -145,9 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from training.launcher import agent
-
-    from training.launcher import rendezvous
+    from training.launcher import agent, rendezvous
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if BATCH_NODE_FLAG in argv:

@@ -36,7 +36,8 @@ from training.data.feed import DeviceFeed
 from training.device import Runtime, detect
 from training.loop.compile import compile_with_fallback, should_compile
 from training.loop.metrics import MetricsWriter, stdout_is_for_people
-from training.loop.objective import count_training_flops, learning_rate, per_sample_loss
+from training.loop.objective import count_training_flops, global_loss_scale, learning_rate, per_sample_loss
+from training.loop.optimizer import build_optimizer, load_optimizer_state
 from training.loop.checkpointer import Checkpointer
 from training.loop.save_policy import SavePolicy
 from training.loop.resume import decide
@@ -86,8 +87,9 @@ class Trainer:
         self.module.to(self.runtime.device)
         if self.channels_last:
             self.module.to(memory_format=torch.channels_last)
-        self.optimizer = self._optimizer()
-        self.scaler = self.runtime.grad_scaler(config.train.precision)
+        self.optimizer = build_optimizer(self.module, config.optim)
+        self.precision = self.runtime.precision(config.train.precision)  # auto: bf16, or fp16 without bf16
+        self.scaler = self.runtime.grad_scaler(self.precision)
         vocab = getattr(getattr(self.module, "size", None), "vocab", None)
         self.decoder = build_decoder(config.data.decode, self.runtime.kind) if config.data.kind == "imagefolder" else None
         self.dataset = build_dataset(config, vocab, encoded=self.decoder is not None)
@@ -165,13 +167,6 @@ class Trainer:
 
     # --- setup -----------------------------------------------------------------------------
 
-    def _optimizer(self) -> torch.optim.Optimizer:
-        optim = self.config.optim
-        params = self.module.parameters()
-        if optim.name == "sgd":
-            return torch.optim.SGD(params, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
-        return torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
-
     def _batch_layout(self) -> tuple[Layout, float, int]:
         train = self.config.train
         if train.batch_policy == "fixed_global":
@@ -200,7 +195,7 @@ class Trainer:
             return {"set_aside": summary["set_aside"]} if "set_aside" in summary else {}
         state = TrainState.from_state_dict(broadcast_state(decision.get("state"), self._flag_device()))
         self.module.load_state_dict(state.model)
-        self.optimizer.load_state_dict(state.optimizer)
+        load_optimizer_state(self.optimizer, state.optimizer, self.module)
         if self.scaler.is_enabled() and state.scaler:
             self.scaler.load_state_dict(state.scaler)
         self.progress = state.progress
@@ -267,7 +262,7 @@ class Trainer:
             "rendezvous", world_size=self.world_size, restart_count=self.membership.restart_count,
             run_id=self.membership.run_id, attempt=self.attempt, global_batch=self.global_batch,
             micro_batch=self.layout.micro_batch, accumulation=self.layout.accumulation,
-            lr_scale=self.lr_scale, device=self.runtime.name,
+            lr_scale=self.lr_scale, device=self.runtime.name, precision=self.precision,
         )
         if self.lr_scale != 1.0:
             log.warning("batch_policy=scale_lr: global batch %d, learning rate scaled by %.4f",
@@ -441,15 +436,18 @@ class Trainer:
         lr = learning_rate(cfg, done, total_steps, self.lr_scale)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        real = self.plan.real_samples(self.progress.offset)
-        # Each rank's loss is scaled so that DDP's mean over ranks gives the mean over the real
-        # samples of the global batch, whatever the world size and the padding.
-        scale = self.world_size / real
+        masked_lm = cfg.model.is_masked_lm
+        # A masked LM's loss is the mean over the global batch's masked tokens: the step's
+        # micro-batches are taken first, to count them (objective.global_loss_scale).
+        batches = [feed.take() for _ in range(self.layout.accumulation)] if masked_lm else None
+        # Each rank's loss is scaled so that DDP's mean over ranks gives the mean over the global
+        # batch's real samples (or masked tokens), whatever the world size and the padding.
+        scale = global_loss_scale(batches, self.plan.real_samples(self.progress.offset), self.world_size)
         loss_sum = torch.zeros((), device=self.runtime.device)
         ids: list[int] = []
         skipped: list[int] = []
         for micro in range(self.layout.accumulation):
-            batch = feed.take()
+            batch = batches[micro] if batches else feed.take()
             if any(batch.problems):
                 skipped += self._skip(batch.index, batch.problems)
             if self.sample_log:
@@ -457,9 +455,9 @@ class Trainer:
             final = micro == self.layout.accumulation - 1
             no_sync = self.model.no_sync() if self.distributed and not final else contextlib.nullcontext()
             with no_sync:
-                with self.runtime.autocast(cfg.train.precision):
-                    losses = per_sample_loss(self.model, batch.inputs, batch.target, self.config.model.is_masked_lm,
-                                             cfg.data.masked_per_sequence, batch.attention_mask)
+                with self.runtime.autocast(self.precision):
+                    losses = per_sample_loss(self.model, batch.inputs, batch.target, masked_lm,
+                                             cfg.data.masked_per_sequence, batch.attention_mask, cfg.label_smoothing)
                 loss = (losses * batch.weight.to(losses.dtype)).sum() * scale
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach() / self.world_size

@@ -85,10 +85,12 @@ class BertForMaskedLM(nn.Module):
 
     def forward(
         self, tokens: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None,
-        per_sample: bool = False, max_predictions: int | None = None,
+        per_sample: bool = False, max_predictions: int | None = None, label_smoothing: float = 0.0,
     ) -> Tensor:
-        """Logits for every position; or, with ``labels``, the loss over the positions whose label
-        is not -100 (the mean, or each sample's mean with ``per_sample``).
+        """Logits for every position; or, with ``labels``, the cross-entropy (against labels
+        smoothed by ``label_smoothing``) over the positions whose label is not -100: their mean,
+        or with ``per_sample`` each sample's sum, for the trainer to divide by the count of
+        masked tokens in its whole global batch (``training.loop.objective.global_loss_scale``).
 
         With labels only the masked positions go through the vocabulary projection: the other
         ~85 % of the logits would be computed and thrown away. As reference BERT pretraining
@@ -109,11 +111,11 @@ class BertForMaskedLM(nn.Module):
         picked = labels.gather(1, positions)
         states = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
         token_loss = nn.functional.cross_entropy(self.mlm_logits(states).flatten(0, 1).float(), picked.flatten(),
-                                                 ignore_index=-100, reduction="none").view_as(picked)
-        real = picked != -100
-        if not per_sample:
-            return token_loss.sum() / real.sum().clamp(min=1)
-        return token_loss.sum(1) / real.sum(1).clamp(min=1)
+                                                 ignore_index=-100, reduction="none",
+                                                 label_smoothing=label_smoothing).view_as(picked)
+        if per_sample:
+            return token_loss.sum(1)
+        return token_loss.sum() / (picked != -100).sum().clamp(min=1)
 
     def encode(self, tokens: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
