@@ -181,6 +181,40 @@ def test_submit_replace_waits_until_the_old_job_and_its_pods_are_gone(server):
     assert server.jobs["resnet50-imagenet"]["metadata"]["name"] == "resnet50-imagenet"
 
 
+def test_submit_replace_keeps_the_old_job_when_the_cluster_would_refuse_the_new_one(server):
+    jobs = jobs_of(server)
+    job = render(CONFIG, SPEC)[0]
+    jobs.submit(job)
+    server.refuse_create = (422, 'admission webhook "validatejob.volcano.sh" denied the request: '
+                                 "'minAvailable' should not be greater than total replicas in tasks")
+    with pytest.raises(UserError, match=r"the cluster rejected the request \(HTTP 422: admission webhook"):
+        jobs.submit(job, replace=True)
+    assert "resnet50-imagenet" in server.jobs  # never deleted
+    assert not [r for r in server.requests if r[0] == "DELETE"]
+    probe = [r for r in server.requests if r[0] == "POST" and "dryRun=All" in r[1]]
+    assert probe and probe[0][3]["metadata"]["name"] == "resnet50-imagenet-replace-check"
+
+
+def test_submit_replace_says_what_happened_when_the_create_fails_after_the_delete(server):
+    jobs = jobs_of(server)
+    job = render(CONFIG, SPEC)[0]
+    jobs.submit(job)
+    server.deletion_polls = 2
+    refused_after_delete = []
+
+    def refuse_once_deleted(name):  # e.g. the caller's create permission was revoked meanwhile
+        refused_after_delete.append(name)
+        server.refuse_create = (403, 'jobs.batch.volcano.sh is forbidden: User "jane" cannot create resource '
+                                     '"jobs" in API group "batch.volcano.sh" in the namespace "training"')
+
+    with pytest.raises(UserError) as raised:
+        jobs.submit(job, replace=True, on_wait=refuse_once_deleted)
+    assert refused_after_delete and "resnet50-imagenet" not in server.jobs
+    assert str(raised.value).startswith("job 'resnet50-imagenet' was deleted to be replaced, and creating the new "
+                                        "one failed: jane may not create jobs.batch.volcano.sh in namespace training")
+    assert "submit the spec again without --replace: the job resumes from its checkpoints" in str(raised.value)
+
+
 def test_a_queue_or_priority_class_the_cluster_lacks_is_refused_before_the_job_is_created(server):
     jobs = jobs_of(server)
     job = render(CONFIG, SPEC)[0]

@@ -57,6 +57,7 @@ class FakeApiServer:
         self.events: list[dict] = []
         self.pods_alive = True
         self.phases: list[str] = []  # each GET of a job moves it to the next phase
+        self.refuse_create: tuple[int, str] | None = None  # (status, message) for every create
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -103,6 +104,15 @@ class FakeApiServer:
                 if path == JOBS_PATH and method == "GET":
                     return self._send(200, {"items": list(server.jobs.values())})
                 if path == JOBS_PATH and method == "POST":
+                    if server.refuse_create:  # the schema or an admission webhook says no, dry run or not
+                        code, message = server.refuse_create
+                        return self._send(code, {"kind": "Status", "code": code, "message": message})
+                    if body["metadata"]["name"] in server.jobs:  # kube-apiserver: terminating objects too
+                        return self._send(409, {"kind": "Status", "code": 409, "reason": "AlreadyExists",
+                                                "message": f'jobs.batch.volcano.sh "{body["metadata"]["name"]}" '
+                                                           "already exists"})
+                    if "dryRun=All" in self.path:  # validated, admitted, not stored
+                        return self._send(201, body)
                     server.jobs[body["metadata"]["name"]] = {**body, "status": {"state": {"phase": "Pending"}}}
                     server.pods_alive = True
                     return self._send(201, body)
@@ -178,9 +188,10 @@ def test_an_existing_name_is_refused_unless_replace(api):
     jobs.submit(job, replace=True)
     calls = [(m, p.split("?")[0].removeprefix(JOBS_PATH)) for m, p, *_ in server.requests[before:]
              if p.startswith(JOBS_PATH)]
-    # exists? -> cancel (exists? delete) -> gone? -> create
-    assert calls == [("GET", "/resnet50-imagenet"), ("GET", "/resnet50-imagenet"), ("DELETE", "/resnet50-imagenet"),
-                     ("GET", "/resnet50-imagenet"), ("POST", "")]
+    # exists? -> would the new one be created (dry run)? -> cancel (exists? delete) -> gone? -> create
+    assert calls == [("GET", "/resnet50-imagenet"), ("POST", ""), ("GET", "/resnet50-imagenet"),
+                     ("DELETE", "/resnet50-imagenet"), ("GET", "/resnet50-imagenet"), ("POST", "")]
+    assert "dryRun=All" in [p for m, p, *_ in server.requests[before:] if m == "POST"][0]
 
 
 def test_status_shows_phase_pods_rendezvous_last_metrics_and_newest_checkpoint(api, snapshot):
