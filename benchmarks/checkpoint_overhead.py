@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 def model_args(args) -> list[str]:
     return [f"--model.name={args.model}", f"--model.image_size={args.image_size}", "--data.num_workers=0",
             f"--train.global_batch_size={args.batch}", f"--train.micro_batch_size={args.batch}",
-            "--train.precision=fp32", "--train.device=cpu", f"--optim.name={args.optimizer}"]
+            "--train.precision=fp32", "--train.device=cpu", f"--optim.name={args.optimizer}",
+            "--eval.enabled=false"]  # its time is no checkpoint's
 
 
 def run(args, interval: int, async_save: bool) -> tuple[float, float, int]:

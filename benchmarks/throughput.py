@@ -182,6 +182,8 @@ def trainer_rate(tree: Path, overrides: list[str], batch: int, warmup: int, step
                 f"--train.micro_batch_size={batch}", f"--train.global_batch_size={batch}",
                 f"--checkpoint.dir={scratch}/ckpt", "--checkpoint.interval_steps=1000000",
                 f"--metrics.jsonl_path={scratch}/metrics.jsonl", "--metrics.stdout=json"]
+        if (tree / "training" / "loop" / "evaluate.py").is_file():  # no validation at the end: not measured
+            args.append("--eval.enabled=false")
         done = subprocess.run([sys.executable, "-m", "training", "train", *args], cwd=tree, capture_output=True,
                               text=True, timeout=900, env={**os.environ, **(env or {})})
         if done.returncode:

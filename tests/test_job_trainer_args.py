@@ -34,7 +34,7 @@ def problems(data: dict) -> list[str]:
 
 @pytest.mark.parametrize(("args", "line"), [
     ({"optim.lrr": 0.1}, "trainer_args.optim.lrr: unknown key; allowed keys here: betas, decay_norms_and_biases, "),
-    ({"optimm.lr": 0.1}, "trainer_args.optimm: unknown key; allowed keys here: checkpoint, data, distributed, "),
+    ({"optimm.lr": 0.1}, "trainer_args.optimm: unknown key; allowed keys here: checkpoint, data, distributed, eval, "),
     ({"optim.lr": None}, "trainer_args.optim.lr: got null; allowed: a valid number"),
     ({"optim.lr": "fast"}, 'trainer_args.optim.lr: got "fast"; allowed: a valid number'),
     ({"optim.lr": float("inf")}, 'trainer_args.optim.lr: got "inf"; allowed: a finite number'),

@@ -48,7 +48,7 @@ def test_override_syntax():
          "optim.learning_rate: unknown key; allowed keys here: betas, decay_norms_and_biases, "
          "grad_clip_norm, lr, momentum, name, schedule, warmup_steps, weight_decay"),
         (None, ["--trian.epochs=3"], "trian: unknown key; allowed keys here: checkpoint, data, distributed, "
-                                     "metrics, model, optim, train"),
+                                     "eval, metrics, model, optim, train"),
         (None, ["--train.precision=fp8"], "train.precision: got \"fp8\"; allowed: 'auto', 'fp32', 'bf16' or 'fp16'"),
         (None, ["--model.name=resnet51"], "model.name: got \"resnet51\"; allowed: resnet18, resnet34, resnet50"),
         (None, ["--train.global_batch_size=0"], "train.global_batch_size: got 0; allowed: greater than 0"),

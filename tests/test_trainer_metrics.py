@@ -158,7 +158,8 @@ def test_the_last_window_is_reported_before_the_loader_is_torn_down(tmp_path, mo
     monkeypatch.setattr(DeviceFeed, "close", lambda self: (order.append("loader torn down"), close(self))[1])
     monkeypatch.setattr(Trainer, "_report",
                         lambda self, *a: (order.append(f"report at {self.progress.step}"), report(self, *a))[1])
-    Trainer(small_run(tmp_path, "--train.max_steps=6", "--train.log_every_steps=4")).run()
+    # Without validation, whose loader is another one (tests/test_evaluation_runs.py).
+    Trainer(small_run(tmp_path, "--train.max_steps=6", "--train.log_every_steps=4", "--eval.enabled=false")).run()
     assert order == ["report at 4", "report at 6", "loader torn down"]
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
              if '"event": "step"' in line]
@@ -175,7 +176,7 @@ def test_an_epochs_run_reports_its_last_step_before_the_teardown_too(tmp_path, m
                         lambda self, *a: (order.append(f"report {self.progress.step}"), report(self, *a))[1])
     # 64 samples, 32 a step: two steps an epoch, two epochs; a report every 3 steps.
     Trainer(small_run(tmp_path, "--data.synthetic_samples=64", "--train.epochs=2", "--train.max_steps=null",
-                      "--train.log_every_steps=3")).run()
+                      "--train.log_every_steps=3", "--eval.enabled=false")).run()
     assert order == ["torn down", "report 3", "report 4", "torn down"]
 
 

@@ -56,7 +56,10 @@ def test_on_a_terminal_a_progress_line_per_report_and_a_summary(tmp_path):
     assert [(m.group(1), m.group(2), m.group(3)) for m in progress] == [
         ("4", "12", "33.3"), ("8", "12", "66.7"), ("12", "12", "100.0")]
     assert re.match(r"^finished at step 12 after 0:00:\d\d, [\d,]+ samples/s on average, loss \d+\.\d{4}; newest "
-                    rf"checkpoint {tmp_path}/checkpoints/step-000000012.pt$", lines[-1]), lines[-1]
+                    rf"checkpoint {tmp_path}/checkpoints/step-000000012.pt; validation at step 12: "
+                    r"top-1 \d+\.\d\d%, top-5 \d+\.\d\d%, loss \d+\.\d{4}$", lines[-1]), lines[-1]
+    assert re.match(r"^validation at step 12: top-1 \d+\.\d\d%, top-5 \d+\.\d\d%, loss \d+\.\d{4} "
+                    r"\([\d,]+ samples, \d+\.\d s\)$", lines[-3]), lines[-3]
     assert not any(line.startswith("{") for line in lines)
     # The file keeps every record as JSON, for tools.
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

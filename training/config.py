@@ -163,6 +163,26 @@ class MetricsSection(StrictModel):
     sample_log_dir: str | None = None
 
 
+# ILSVRC-2012: training and validation images; a synthetic held-out split keeps their proportion.
+IMAGENET_TRAIN_IMAGES, IMAGENET_VAL_IMAGES = 1_281_167, 50_000
+
+
+class EvalSection(StrictModel):
+    # Validation (training/loop/evaluate.py): top-1 and top-5 for image models, masked-LM accuracy
+    # and loss for BERT, every sample of the validation set counted once at any world size.
+    enabled: bool = True
+    # Also at the end of training; 0: only at the end.
+    every_steps: int = Field(0, ge=0)
+    # imagefolder and mlm_shards: the validation set, in data.kind's layout. Default: val/ beside
+    # data.path when that folder is named train (the layout prepare-imagenet leaves).
+    path: str | None = None
+    # synthetic: held-out samples (ids after the training ones). Default: as many per training
+    # sample as ImageNet has (50,000 for the default data.synthetic_samples), at least 1.
+    synthetic_samples: int | None = Field(None, gt=0)
+    # Samples per device and forward pass. Default: train.micro_batch_size.
+    batch_size: int | None = Field(None, gt=0)
+
+
 class TrainConfig(StrictModel):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
@@ -171,6 +191,7 @@ class TrainConfig(StrictModel):
     checkpoint: CheckpointSection = CheckpointSection()
     distributed: DistributedSection = DistributedSection()
     metrics: MetricsSection = MetricsSection()
+    eval: EvalSection = EvalSection()
 
     @model_validator(mode="after")
     def _data_fits_model(self):

@@ -18,7 +18,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from training.config import TrainConfig, masked_per_sequence
 from training.data.sampler import MicroBatchSampler, SampleKey
-from training.data.transforms import Crop, center_crop, crop_pillow_image, failure_reason, generator_for, random_crop
+from training.data.transforms import (
+    Crop, center_crop, crop_pillow_image, failure_reason, generator_for, random_crop, resize_center_crop_pillow,
+)
 
 if TYPE_CHECKING:
     from training.data.batch_slots import BatchSlots
@@ -59,22 +61,33 @@ class ImageFolder(Dataset):
     """``root/<class>/<image>`` read with Pillow; classes sorted by name, as torchvision does.
 
     ``encoded``: leave JPEGs encoded for the device to decode (:mod:`training.data.decode`); the
-    worker reads only the header, for the size the crop is drawn in.
+    worker reads only the header, for the size the crop is drawn in. ``train=False``: the
+    evaluation view, torchvision's resize and center crop (:func:`resize_center_crop_pillow`),
+    or with ``encoded`` the central square cut first and then resized, the one crop a decoder carries out.
     """
 
-    def __init__(self, root: str | Path, image_size: int, train: bool = True, encoded: bool = False):
+    def __init__(self, root: str | Path, image_size: int, train: bool = True, encoded: bool = False,
+                 classes: list[str] | None = None, field: str = "data.path"):
+        # ``classes``: the training set's, so that a validation set's labels are the same numbers
+        # (it may lack some classes, never add one). ``field``: the config key its errors name.
         self.root = Path(root)
         if not self.root.is_dir():
-            raise DataError(f"data.path: {self.root} is not a directory; expected <path>/<class>/<image>.jpg")
-        self.classes = sorted(p.name for p in self.root.iterdir() if p.is_dir())
+            raise DataError(f"{field}: {self.root} is not a directory; expected <path>/<class>/<image>.jpg")
+        found = sorted(p.name for p in self.root.iterdir() if p.is_dir())
+        self.classes = found if classes is None else list(classes)
+        unknown = sorted(set(found) - set(self.classes))
+        if unknown:
+            raise DataError(f"{field}: class folder {unknown[0]} in {self.root} is not one of the training set's "
+                            f"{len(self.classes)} classes; allowed: the class folders of data.path")
+        labels = {name: label for label, name in enumerate(self.classes)}
         self.samples = [
-            (path, label)
-            for label, name in enumerate(self.classes)
+            (path, labels[name])
+            for name in found
             for path in sorted((self.root / name).iterdir())
             if path.suffix.lower() in IMAGE_SUFFIXES
         ]
         if not self.samples:
-            raise DataError(f"data.path: no .jpg/.jpeg/.png images in class folders under {self.root}")
+            raise DataError(f"{field}: no .jpg/.jpeg/.png images in class folders under {self.root}")
         self.image_size, self.train, self.encoded = image_size, train, encoded
 
     def __len__(self) -> int:
@@ -91,6 +104,8 @@ class ImageFolder(Dataset):
             from PIL import Image
 
             with Image.open(path) as image:  # the header gives the size; the crop decodes
+                if not self.train:
+                    return resize_center_crop_pillow(image, self.image_size), label
                 crop = self.crop(image.height, image.width, key.seed)
                 return crop_pillow_image(image, crop, self.image_size), label
         except Exception as exc:  # noqa: BLE001 - whatever Pillow raises for a bad file, the run goes on
@@ -127,8 +142,9 @@ class SyntheticImages(Dataset):
     through the same device-side normalization as real ones.
     """
 
-    def __init__(self, size: int, num_classes: int, image_size: int, seed: int = 0):
-        self.size, self.num_classes, self.image_size = size, num_classes, image_size
+    def __init__(self, size: int, num_classes: int, image_size: int, seed: int = 0, first_id: int = 0):
+        # ``first_id``: sample ``i`` is image ``first_id + i``; a held-out split starts after the training ids.
+        self.size, self.num_classes, self.image_size, self.first_id = size, num_classes, image_size, first_id
         prototypes = torch.randn(num_classes, image_size, image_size, 3, generator=generator_for(seed + 7))
         self.prototypes = prototypes.mul_(40).add_(100).round_().clamp_(0, 200).to(torch.uint8)
 
@@ -139,7 +155,7 @@ class SyntheticImages(Dataset):
         return torch.zeros(self.image_size, self.image_size, 3, dtype=torch.uint8), 0
 
     def __getitem__(self, key: SampleKey) -> tuple[Tensor, int]:
-        generator = generator_for(key.index * 7919 + 1)
+        generator = generator_for((self.first_id + key.index) * 7919 + 1)
         label = int(torch.randint(0, self.num_classes, (1,), generator=generator))
         # Integer noise: cheap enough that a few workers feed a GPU at thousands of images a second.
         noise = torch.randint(0, 56, (self.image_size, self.image_size, 3), dtype=torch.uint8, generator=generator)
@@ -154,11 +170,12 @@ class MaskedLMShards(Dataset):
     samples, as are rows with token ids outside the vocabulary.
     """
 
-    def __init__(self, root: str | Path, seq_len: int, vocab_size: int, mask_probability: float):
+    def __init__(self, root: str | Path, seq_len: int, vocab_size: int, mask_probability: float,
+                 field: str = "data.path"):
         root = Path(root)
         self.paths = sorted(root.glob("*.npy")) if root.is_dir() else []
         if not self.paths:
-            raise DataError(f"data.path: no *.npy token shards in {root}; expected arrays of shape [n, {seq_len}]")
+            raise DataError(f"{field}: no *.npy token shards in {root}; expected arrays of shape [n, {seq_len}]")
         self.seq_len = seq_len
         self.shards = [_open_shard(p, seq_len) for p in self.paths]
         self.offsets = np.cumsum([0] + [rows for _, rows in self.shards])
@@ -216,15 +233,16 @@ def _open_shard(path: Path, seq_len: int) -> tuple[np.ndarray, int]:
 class SyntheticTokens(MaskedLMShards):
     """Deterministic token sequences per sample id, for benchmarks."""
 
-    def __init__(self, size: int, seq_len: int, vocab_size: int, mask_probability: float):
-        self.size, self.seq_len = size, seq_len
+    def __init__(self, size: int, seq_len: int, vocab_size: int, mask_probability: float, first_id: int = 0):
+        self.size, self.seq_len, self.first_id = size, seq_len, first_id  # first_id: as SyntheticImages'
         self.vocab_size, self.mask_probability = vocab_size, mask_probability
 
     def __len__(self) -> int:
         return self.size
 
     def tokens(self, index: int) -> Tensor:
-        body = torch.randint(1000, self.vocab_size, (self.seq_len - 2,), generator=generator_for(index + 1))
+        body = torch.randint(1000, self.vocab_size, (self.seq_len - 2,),
+                             generator=generator_for(self.first_id + index + 1))
         return torch.cat([torch.tensor([CLS_ID]), body, torch.tensor([SEP_ID])])
 
 

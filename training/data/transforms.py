@@ -124,6 +124,39 @@ def _normalization_constants(device: torch.device) -> tuple[Tensor, Tensor]:
     return ((IMAGENET_MEAN * 255).to(device).view(1, 3, 1, 1), (IMAGENET_STD * 255).to(device).view(1, 3, 1, 1))
 
 
+def eval_resize_size(size: int) -> int:
+    """The shorter side an evaluation image is resized to before its central ``size`` square is
+    cut: 256 for 224, as torchvision's ImageNet evaluation (references/classification/presets.py,
+    ``ClassificationPresetEval``: ``resize_size=256``, ``crop_size=224``), in that proportion
+    for other sizes (342 for 299, the resize torchvision's Inception-v3 weights are evaluated at)."""
+    return int(round(size * 256 / 224))
+
+
+def resize_center_crop_pillow(image, size: int) -> Tensor:
+    """torchvision's evaluation transform of a Pillow image: ``Resize(eval_resize_size(size))``
+    (the shorter side, bilinear with Pillow's antialiasing), then ``CenterCrop(size)``; uint8
+    [size, size, 3].
+
+    The arithmetic is torchvision's (transforms/functional.py, v0.28.0): the longer side becomes
+    ``int(resize * long / short)`` (``_compute_resized_output_size``), the crop's corner
+    ``int(round((side - size) / 2.0))`` (``center_crop``), and images are made RGB first, as its
+    ImageFolder's loader does. Not the same pixels as :func:`center_crop` + :func:`apply_crop`
+    (crop, then resize): resizing the whole image first samples it at other positions.
+    """
+    from PIL import Image
+
+    rgb = image if image.mode == "RGB" else image.convert("RGB")
+    resize = eval_resize_size(size)
+    width, height = rgb.size
+    short, long = (width, height) if width <= height else (height, width)
+    new_short, new_long = resize, int(resize * long / short)
+    new_width, new_height = (new_short, new_long) if width <= height else (new_long, new_short)
+    resized = rgb.resize((new_width, new_height), Image.Resampling.BILINEAR)
+    top, left = int(round((new_height - size) / 2.0)), int(round((new_width - size) / 2.0))
+    cropped = resized.crop((left, top, left + size, top + size))
+    return torch.from_numpy(np.array(cropped, dtype=np.uint8))
+
+
 def crop_pillow_image(image, crop: Crop, size: int) -> Tensor:
     """A Pillow image (still undecoded, if it was only opened) cut to ``crop``, resized to
     ``size`` x ``size``, mirrored if the crop says so: uint8 [size, size, 3].

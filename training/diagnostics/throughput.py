@@ -113,6 +113,7 @@ def trainer_loop(config: TrainConfig, steps: int, warmup: int) -> float:
                 "global_batch_size": config.train.micro_batch_size, "batch_policy": "fixed_global"}),
             "checkpoint": config.checkpoint.model_copy(update={"dir": scratch, "interval_steps": 10**9}),
             "metrics": config.metrics.model_copy(update={"jsonl_path": f"{scratch}/metrics.jsonl"}),
+            "eval": config.eval.model_copy(update={"enabled": False}),  # validation's time is not measured
         })
         with contextlib.redirect_stdout(io.StringIO()):
             Trainer(config).run()

@@ -64,6 +64,14 @@ class MetricsWriter:
                 if isinstance(value, (int, float)) and key != "step" and value is not None:
                     self._tensorboard.add_scalar(f"train/{key}", value, fields["step"])
 
+    def evaluation(self, step: int, **fields: Any) -> None:
+        """A validation's figures (training/loop/evaluate.py): an ``eval`` event, and TensorBoard's eval/*."""
+        self.event("eval", step=step, **fields)
+        if self._tensorboard is not None:
+            for key, value in fields.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "epoch":
+                    self._tensorboard.add_scalar(f"eval/{key}", value, step)
+
     def _emit(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
@@ -129,11 +137,27 @@ def human_line(record: dict[str, Any], total_steps: int | None) -> str | None:
             line += f"; newest checkpoint {r['checkpoint']}"
         if r.get("bad_samples"):
             line += f"; {r['bad_samples']} bad samples skipped"
+        if r.get("eval"):
+            line += f"; validation at step {r['eval']['step']:,}: {eval_figures(r['eval'])}"
         return line + ("; the same command resumes it" if kind == "stop" else "")
+    if kind == "eval":
+        return f"validation at step {r['step']:,}: {eval_figures(r)} ({r['samples']:,} samples, {r['eval_s']:.1f} s)"
     if kind == "checkpoint_started":
         return None
     rest = {k: v for k, v in r.items() if k not in ("event", "time")}
     return f"{kind}: {json.dumps(rest, default=_plain)}"
+
+
+def eval_figures(r: dict[str, Any]) -> str:
+    """An eval event's figures for people: top-1/top-5, or masked-LM accuracy, and the loss."""
+    def percent(value: float | None) -> str:
+        return "n/a" if value is None else f"{100 * value:.2f}%"
+
+    if "mlm_accuracy" in r:
+        shown = f"masked-LM accuracy {percent(r['mlm_accuracy'])}"
+    else:
+        shown = f"top-1 {percent(r.get('top1'))}, top-5 {percent(r.get('top5'))}"
+    return shown + (f", loss {r['loss']:.4f}" if r.get("loss") is not None else "")
 
 
 def _plain(value: Any) -> Any:

@@ -28,10 +28,13 @@ class Progress:
     # Segments [attempt, first_step, end_step) whose steps count; each resume adds one.
     history: list[list[Any]] = field(default_factory=list)
     bad_samples: int = 0  # samples skipped because they could not be read, over the whole run
+    # The step last evaluated at (training/loop/evaluate.py); a checkpoint written at a step due
+    # for evaluation before it ran (a stop) has an older one, and the resumed job makes it up.
+    evaluated_step: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "offset": self.offset, "step": self.step, "history": self.history,
-                "bad_samples": self.bad_samples}
+                "bad_samples": self.bad_samples, "evaluated_step": self.evaluated_step}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> "Progress":

@@ -35,6 +35,7 @@ from training.data.decode import build_decoder
 from training.data.feed import DeviceFeed
 from training.device import Runtime, detect
 from training.loop.compile import compile_with_fallback, should_compile
+from training.loop.evaluate import Evaluator
 from training.loop.metrics import MetricsWriter, stdout_is_for_people
 from training.loop.objective import count_training_flops, global_loss_scale, learning_rate, per_sample_loss
 from training.loop.optimizer import build_optimizer, load_optimizer_state
@@ -99,6 +100,7 @@ class Trainer:
                 f"model.num_classes: got {config.model.num_classes}; allowed: at least {len(classes)}, "
                 f"the number of class folders in {config.data.path}"
             )
+        self.evaluator = Evaluator.build(config, self.runtime, self.module, self.dataset, self.channels_last)
         self._join_world()
 
     def _join_world(self) -> None:
@@ -237,6 +239,7 @@ class Trainer:
         run = _Run(first_step=self.progress.step, flops_per_sample=self._count_flops() if self.rank == 0 else None,
                    paced_gc=bool(cfg.train.gc_every_steps) and gc.isenabled())
         self.metrics.total_steps = cfg.train.max_steps or cfg.train.epochs * self.plan.steps_per_epoch
+        self._evaluate(run)  # one that a stop at a step due for it left to this round
         self.stop.training = True  # from here a stop signal checkpoints at the end of the step
         if self.stop.requested:
             log.warning("stop requested during startup")
@@ -307,6 +310,8 @@ class Trainer:
         # teardown is not training time (on an H100 it took 5-10 % of a 40-step window).
         if self.progress.step % self.config.train.log_every_steps == 0 or self._last_step():
             run.last_loss = self._report(run.window, run.flops_per_sample)
+        if not stop_now:  # a stop saves first, within its budget; the resumed round evaluates
+            self._evaluate(run)
         if stop_now:
             self._save(synchronous=True, reason="regroup" if self.regrouping else "stop")
             run.stopped = True
@@ -320,6 +325,20 @@ class Trainer:
             self.checkpointer.keep_loss_bound(self.progress.step)
         if run.paced_gc and self.progress.step % self.config.train.gc_every_steps == 0:
             gc.collect(1)
+
+    def _evaluate(self, run: "_Run") -> None:
+        """Validate at this step if eval.every_steps or the run's end asks and it was not done yet
+        (training/loop/evaluate.py); its time is left out of the report window's."""
+        at_end = self._last_step() or self.progress.epoch >= self.config.train.epochs
+        if (self.evaluator is None or self.progress.evaluated_step == self.progress.step
+                or not self.evaluator.due(self.progress.step, at_end)):
+            return
+        started = time.perf_counter()
+        figures = self.evaluator.evaluate(self.progress.step, self.progress.epoch, self.metrics)
+        run.last_eval = {"step": self.progress.step, "epoch": self.progress.epoch, **figures}
+        self.progress.evaluated_step = self.progress.step
+        if run.window is not None:
+            run.window.started += time.perf_counter() - started
 
     def _after_step(self, run: "_Run", step_time: float) -> None:
         """Tell the agent this round trains (its first step), shorten the collectives' timeout once
@@ -347,6 +366,7 @@ class Trainer:
                            signal=self.stop.signal_name, by_peer=run.stopped and not self.stop.requested,
                            bad_samples=self.progress.bad_samples, elapsed_s=round(elapsed, 3),
                            samples_per_s=round(run.samples / elapsed, 2) if elapsed else None, loss=run.last_loss,
+                           eval=run.last_eval,
                            checkpoint=str(self.checkpoints.path(newest[-1])) if newest else None)
         self.metrics.close()
         if self.sample_log:
@@ -599,6 +619,7 @@ class _Run:
     window: "_Window | None" = None
     samples: int = 0  # real samples trained this round (padding left out)
     last_loss: float | None = None
+    last_eval: dict[str, Any] | None = None  # the figures of this round's latest evaluation
     stopped: bool = False
 
 

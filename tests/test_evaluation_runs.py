@@ -1,0 +1,161 @@
+"""Validation in real runs: each sample once at any world size with the same figures (two
+processes with gloo), an eval event every N steps and at the end, the same steps however a job
+is stopped and resumed, and nothing changed in what training does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.test_evaluation import tiny_config
+from training.config import load_train_config
+from training.data.datasets import build_dataset
+from training.device import detect
+from training.devtools.local_cluster import free_port
+from training.loop.evaluate import Evaluator
+from training.loop.metrics import MetricsWriter
+from training.loop.trainer import Trainer
+from training.models import build_model
+
+pytestmark = pytest.mark.timeout(240)
+
+
+# --- one process or two: the same figures -------------------------------------------------------
+
+
+def _evaluate_in_world(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    runtime = detect("cpu")
+    figures = {}
+    for name in ("resnet18", "bert_tiny"):
+        config = tiny_config(Path(out), name)
+        torch.manual_seed(0)
+        module = build_model(name, config.model.num_classes, config.model.image_size)
+        if name == "resnet18":
+            # Each rank's BatchNorm statistics drift apart in training (its own batches); rank 0's
+            # are those a one-process run holds, and the ones every rank must evaluate with.
+            with torch.no_grad():
+                module(torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(rank)) * (1 + rank))
+        train_set = build_dataset(config, getattr(getattr(module, "size", None), "vocab", None))
+        evaluator = Evaluator.build(config, runtime, module, train_set, channels_last=False)
+        figures[name] = evaluator.evaluate(step=1, epoch=0, metrics=MetricsWriter(False, None, None))
+        assert module.training
+    if rank == 0:
+        Path(out, f"world-{world}.json").write_text(json.dumps(figures))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def test_one_and_two_processes_evaluate_each_sample_once_with_identical_figures(tmp_path):
+    for world in (1, 2):
+        mp.spawn(_evaluate_in_world, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    one, two = (json.loads((tmp_path / f"world-{world}.json").read_text()) for world in (1, 2))
+    assert one["resnet18"]["samples"] == 21 and one["bert_tiny"]["samples"] == 21
+    assert one["bert_tiny"]["masked_tokens"] == 21 * 5  # round(0.15 * 32) of each sequence
+    assert one == two
+
+
+# --- in the trainer -----------------------------------------------------------------------------
+
+
+def run_config(tmp_path, *extra: str, model: str = "mlp"):
+    return load_train_config(None, [
+        f"--model.name={model}", "--model.image_size=16", "--model.num_classes=4", "--data.synthetic_samples=256",
+        "--data.num_workers=0", "--train.global_batch_size=32", "--train.micro_batch_size=16",
+        "--train.max_steps=8", "--train.log_every_steps=4", "--train.precision=fp32", "--train.device=cpu",
+        "--eval.synthetic_samples=40", "--eval.every_steps=3", "--checkpoint.async_save=false",
+        "--checkpoint.interval_steps=100", f"--checkpoint.dir={tmp_path}/checkpoints",
+        f"--metrics.jsonl_path={tmp_path}/metrics.jsonl", *extra,
+    ])
+
+
+def records(tmp_path, kind: str) -> list[dict]:
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == kind]
+
+
+def figures(event: dict) -> dict:
+    return {k: v for k, v in event.items() if k not in ("time", "eval_s", "event")}
+
+
+def test_every_n_steps_and_at_the_end_an_eval_event_and_the_summary_has_the_last(tmp_path):
+    Trainer(run_config(tmp_path, f"--metrics.tensorboard_dir={tmp_path}/tb")).run()
+    evals = records(tmp_path, "eval")
+    assert [e["step"] for e in evals] == [3, 6, 8]
+    assert set(evals[0]) == {"event", "time", "step", "epoch", "samples", "top1", "top5", "correct_top1",
+                             "correct_top5", "loss", "skipped", "eval_s"}
+    assert evals[0]["samples"] == 40 and evals[0]["skipped"] == 0
+    assert evals[0]["top1"] == evals[0]["correct_top1"] / 40 and evals[0]["loss"] > 0
+    (finished,) = records(tmp_path, "finished")
+    assert finished["eval"] == figures(evals[-1])
+    checkpoint = torch.load(tmp_path / "checkpoints" / "step-000000008.pt", weights_only=True)
+    assert checkpoint["progress"]["evaluated_step"] == 8
+
+
+def test_only_at_the_end_by_default(tmp_path):
+    Trainer(run_config(tmp_path, "--eval.every_steps=0")).run()
+    assert [e["step"] for e in records(tmp_path, "eval")] == [8]
+
+
+def stopping_at(trainer: Trainer, step: int, how: str) -> Trainer:
+    """``trainer`` with a SIGTERM (a stop: checkpoint, then exit) or a crash (nothing saved)
+    right after the step that reaches ``step``."""
+    take_step = trainer._step
+
+    def step_then(feed):
+        result = take_step(feed)
+        if trainer.progress.step == step:
+            if how == "crash":
+                raise RuntimeError("the node is gone")
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    trainer._step = step_then
+    return trainer
+
+
+@pytest.mark.parametrize("how, at, interval", [
+    ("sigterm", 6, 100),  # stopped at a step due for evaluation: saved first, evaluated on resuming
+    ("sigterm", 4, 100),  # stopped between two
+    ("crash", 5, 3),  # died after step 5; resumes from the checkpoint of step 3, evaluated already
+    ("sigterm", 8, 100),  # stopped at the very end, before its evaluation
+])
+def test_a_job_stopped_and_resumed_evaluates_at_the_same_steps_with_the_same_figures(tmp_path, how, at, interval):
+    Trainer(run_config(tmp_path / "straight", f"--checkpoint.interval_steps={interval}")).run()
+    expected = [figures(e) for e in records(tmp_path / "straight", "eval")]
+    assert [e["step"] for e in expected] == [3, 6, 8]
+
+    config = run_config(tmp_path / "stopped", f"--checkpoint.interval_steps={interval}")
+    interrupted = stopping_at(Trainer(config), at, how)
+    if how == "crash":
+        with pytest.raises(RuntimeError):
+            interrupted.run()
+        interrupted.finish_writing()
+    else:
+        assert interrupted.run().stopped_by_signal
+    Trainer(config).run()
+    assert [figures(e) for e in records(tmp_path / "stopped", "eval")] == expected
+
+
+@pytest.mark.parametrize("model", ["resnet18", "bert_tiny"])
+def test_evaluating_changes_nothing_in_training(tmp_path, model):
+    """BatchNorm back in training mode with its statistics untouched; dropout's generator untouched."""
+    extra = ["--data.seq_len=32"] if model == "bert_tiny" else []
+    weights = {}
+    for every in (0, 2):
+        work = tmp_path / str(every)
+        trainer = Trainer(run_config(work, f"--eval.every_steps={every}", "--train.max_steps=4", *extra, model=model))
+        trainer.run()
+        assert trainer.module.training
+        assert len(records(work, "eval")) == (1 if every == 0 else 2)
+        weights[every] = torch.load(work / "checkpoints" / "step-000000004.pt", weights_only=True)["model"]
+    assert all(torch.equal(weights[0][name], weights[2][name]) for name in weights[0])
