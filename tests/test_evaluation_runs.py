@@ -97,6 +97,10 @@ def test_every_n_steps_and_at_the_end_an_eval_event_and_the_summary_has_the_last
     assert evals[0]["top1"] == evals[0]["correct_top1"] / 40 and evals[0]["loss"] > 0
     (finished,) = records(tmp_path, "finished")
     assert finished["eval"] == figures(evals[-1])
+    # The run's mean rate is training's: the evaluations' time is reported apart and left out.
+    assert finished["eval_s"] == pytest.approx(sum(e["eval_s"] for e in evals), abs=0.01) and finished["eval_s"] > 0
+    trained = finished["samples_per_s"] * (finished["elapsed_s"] - finished["eval_s"])
+    assert trained == pytest.approx(8 * 32, rel=5e-3)  # elapsed_s and eval_s are rounded to ms
     checkpoint = torch.load(tmp_path / "checkpoints" / "step-000000008.pt", weights_only=True)
     assert checkpoint["progress"]["evaluated_step"] == 8
 

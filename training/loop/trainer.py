@@ -337,8 +337,10 @@ class Trainer:
         figures = self.evaluator.evaluate(self.progress.step, self.progress.epoch, self.metrics)
         run.last_eval = {"step": self.progress.step, "epoch": self.progress.epoch, **figures}
         self.progress.evaluated_step = self.progress.step
+        spent = time.perf_counter() - started
+        run.eval_s += spent
         if run.window is not None:
-            run.window.started += time.perf_counter() - started
+            run.window.started += spent
 
     def _after_step(self, run: "_Run", step_time: float) -> None:
         """Tell the agent this round trains (its first step), shorten the collectives' timeout once
@@ -361,12 +363,13 @@ class Trainer:
                 self._save(synchronous=True, reason="finished")
         self.checkpoints.wait()
         elapsed = time.perf_counter() - run.started
+        training_s = elapsed - run.eval_s  # the mean rate is training's: evaluation is reported apart
         newest = self.checkpoints.steps()
         self.metrics.event("stop" if run.stopped else "finished", step=self.progress.step,
                            signal=self.stop.signal_name, by_peer=run.stopped and not self.stop.requested,
                            bad_samples=self.progress.bad_samples, elapsed_s=round(elapsed, 3),
-                           samples_per_s=round(run.samples / elapsed, 2) if elapsed else None, loss=run.last_loss,
-                           eval=run.last_eval,
+                           samples_per_s=round(run.samples / training_s, 2) if training_s > 0 else None,
+                           loss=run.last_loss, eval=run.last_eval, eval_s=round(run.eval_s, 3),
                            checkpoint=str(self.checkpoints.path(newest[-1])) if newest else None)
         self.metrics.close()
         if self.sample_log:
@@ -620,6 +623,7 @@ class _Run:
     samples: int = 0  # real samples trained this round (padding left out)
     last_loss: float | None = None
     last_eval: dict[str, Any] | None = None  # the figures of this round's latest evaluation
+    eval_s: float = 0.0  # seconds this round spent evaluating
     stopped: bool = False
 
 
