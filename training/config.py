@@ -142,6 +142,10 @@ class CheckpointSection(StrictModel):
     # When no checkpoint in dir can be read, or the newest does not fit this model and optimizer:
     # fail (say so in one line, exit 78) or start_fresh (move them to dir/set-aside/<time>/, start at 0).
     if_unusable: Literal["fail", "start_fresh"] = "fail"
+    # The slowest rate (MB/s) at which rank 0 may read or write a checkpoint while the other ranks
+    # wait for it, outside any collective (so not bound by distributed.timeout_s): they give up
+    # after the checkpoint's size at this rate plus a minute (training/loop/rank_zero_io.py).
+    min_throughput_mb_s: float = Field(50, gt=0)
 
 
 class DistributedSection(StrictModel):

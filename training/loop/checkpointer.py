@@ -47,6 +47,9 @@ class Checkpointer:
     def ask_ahead(self, step: int) -> bool:
         return self.policy.ask_ahead(step, self.manager.in_flight)
 
+    def hold_ahead(self, step: int) -> bool:
+        return self.policy.hold_ahead(step, self.manager.in_flight)
+
     def keep_loss_bound(self, step: int) -> None:
         """Before the next step: never train more than one interval past the newest checkpoint on
         disk (a kill then loses at most ``checkpoint.interval_steps`` steps)."""

@@ -42,6 +42,15 @@ class SavePolicy:
         """Before the next step: is a write in flight that must land first?"""
         return in_flight and step - self.durable_step >= self.interval_steps
 
+    def hold_ahead(self, step: int, in_flight: bool) -> bool:
+        """With several ranks, asked a step ahead so that every rank waits at the same step: may a
+        write have to land after the next step (:meth:`must_wait` at ``step + 1``)? The write in
+        flight now may, and so may the one asked for this step or the next (it starts after
+        this question). A synchronous write is on disk before the step after it."""
+        if not self.async_save:
+            return False
+        return (in_flight or self.asked_for >= step) and step + 1 - self.durable_step >= self.interval_steps
+
     def saved(self, step: int, write_s: float, recent_step_s: float | None) -> None:
         """A write of ``step`` is on disk; it took ``write_s``."""
         if recent_step_s and self.async_save:

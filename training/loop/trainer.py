@@ -40,6 +40,7 @@ from training.loop.metrics import MetricsWriter, stdout_is_for_people
 from training.loop.objective import count_training_flops, global_loss_scale, learning_rate, per_sample_loss
 from training.loop.optimizer import build_optimizer, load_optimizer_state
 from training.loop.checkpointer import Checkpointer
+from training.loop.rank_zero_io import RankZeroIO, file_bytes, tensor_bytes
 from training.loop.save_policy import SavePolicy
 from training.loop.resume import decide
 from training.loop.state import Progress, TrainState, flops_key, rng_state, seed_all, set_rng_state, signature
@@ -133,9 +134,13 @@ class Trainer:
         self._bad_pending = 0  # samples skipped on this rank since the last count across ranks
         self._nonfinite: Tensor | None = None  # single process: a non-finite loss seen since the last check
         self.agreement = elastic.LaggedAgreement(self._flag_device())
+        self._hold = False  # several ranks: all wait, at this step, for rank 0's write in flight
+        # Agreed before the resume: it names this round's keys in the store that the other ranks
+        # wait in while rank 0 reads or writes a checkpoint.
+        self.attempt = self._agree_on_attempt_id()
+        self.rank_zero_io = RankZeroIO.for_group(f"checkpoint-io/{self.attempt}", checkpoint.min_throughput_mb_s)
         resume_event = self._resume()
         self.checkpointer.policy.durable_step = self.progress.step
-        self.attempt = self._agree_on_attempt_id()
         self.first_step = self.progress.step
 
         self.model: nn.Module = self.module
@@ -181,12 +186,15 @@ class Trainer:
     def _resume(self) -> dict[str, Any]:
         """One decision, made by rank 0 and followed by all: resume from which step, start fresh, or refuse.
 
-        Rank 0 alone reads the file; the state reaches the other ranks by broadcast, so a
-        restart reads each checkpoint once, not once per rank, and no rank can load another step.
+        Rank 0 alone reads the file, while the others wait outside any collective (however long
+        the read); the state reaches the other ranks by broadcast, so a restart reads each
+        checkpoint once, not once per rank, and no rank can load another step.
         """
         started = time.perf_counter()
-        decision = decide(self.checkpoints, signature(self.config), self.module.state_dict(),
-                          self.config.checkpoint.if_unusable) if self.rank == 0 else {}
+        decision = self.rank_zero_io.run(
+            "read the checkpoint to resume", lambda: file_bytes(map(self.checkpoints.path, self.checkpoints.steps())),
+            lambda: decide(self.checkpoints, signature(self.config), self.module.state_dict(),
+                           self.config.checkpoint.if_unusable)) or {}
         summary = [{key: value for key, value in decision.items() if key != "state"}]
         if self.distributed:
             dist.broadcast_object_list(summary, src=0)
@@ -321,8 +329,7 @@ class Trainer:
             self._save(synchronous=True, reason="spot-notice")
         elif save_now:
             self._save(synchronous=False)
-        if self.rank == 0:
-            self.checkpointer.keep_loss_bound(self.progress.step)
+        self._keep_loss_bound()
         if run.paced_gc and self.progress.step % self.config.train.gc_every_steps == 0:
             gc.collect(1)
 
@@ -407,7 +414,8 @@ class Trainer:
         With several ranks the all-reduce is read one step late (:class:`elastic.LaggedAgreement`),
         so the host never waits here for the device: a SIGTERM during step n checkpoints after
         step n + 1 on every rank (0 steps lost), and rank 0 asks one step ahead for the saves, so
-        checkpoints land on the same steps as before. The finiteness of the loss rides along as a
+        checkpoints land on the same steps as before, and whether all must wait for its write in
+        flight (``_hold``, see :meth:`_keep_loss_bound`). The finiteness of the loss rides along as a
         device tensor; in a single process it is checked at the next report or save instead.
         """
         not_finite = ~torch.isfinite(loss)
@@ -417,16 +425,32 @@ class Trainer:
             save_now = self.rank == 0 and self.checkpointer.due(self.progress.step)
             return self.stop.requested or self.stop.regroup, self.spot.pending, save_now
         save_next = self.rank == 0 and self.checkpointer.ask_ahead(self.progress.step)
+        hold_next = self.rank == 0 and self.checkpointer.hold_ahead(self.progress.step)
         agreed = self.agreement.exchange(self.stop.requested, self.spot.pending, save_next, not_finite,
-                                         self.stop.regroup)
+                                         self.stop.regroup, hold_next)
         if agreed is None:  # the first step of this attempt: nothing was asked a step ago
+            self._hold = False
             return False, False, False
-        stop_now, notice, save_now, diverged, regroup = agreed
+        stop_now, notice, save_now, diverged, regroup, self._hold = agreed
         if diverged:
             raise self._diverged()
         # A stop signal anywhere wins: the job (or this node) is going away, not changing size.
         self.regrouping = regroup and not stop_now
         return stop_now or regroup, notice, save_now
+
+    def _keep_loss_bound(self) -> None:
+        """Never train more than an interval past the newest checkpoint on disk. With several
+        ranks, rank 0 waits for its write only at a step that all agreed on a step ahead, the
+        others waiting for it outside any collective: a write that outlasts distributed.timeout_s
+        then fails no collective."""
+        if not self.distributed:
+            self.checkpointer.keep_loss_bound(self.progress.step)
+        elif self._hold:
+            self.rank_zero_io.run("finish writing the checkpoint", self._state_bytes,
+                                  lambda: self.checkpointer.keep_loss_bound(self.progress.step))
+
+    def _state_bytes(self) -> int:
+        return tensor_bytes(self.module.state_dict(), self.optimizer.state_dict())
 
     def _diverged(self) -> Diverged:
         steps = self.checkpoints.steps()
@@ -592,7 +616,8 @@ class Trainer:
             dist.gather_object(rng, states, dst=0)
         else:
             states = [rng]
-        if self.rank == 0:
+
+        def write() -> None:
             progress = self.progress
             state = TrainState(
                 signature=signature(self.config), model=self.module.state_dict(), optimizer=self.optimizer.state_dict(),
@@ -603,8 +628,13 @@ class Trainer:
                           "lr_scale": self.lr_scale, "lr": self.optimizer.param_groups[0]["lr"]},
             ).state_dict()
             self.checkpointer.write(progress.step, state, reason, synchronous)
-        if synchronous and self.distributed:
-            dist.barrier()  # nobody exits before the checkpoint is on disk
+
+        if synchronous or not self.checkpoints.async_save:
+            # Nobody goes on (or exits) before the checkpoint is on disk, and the others wait for
+            # it outside any collective, however long the write takes.
+            self.rank_zero_io.run("write the checkpoint", self._state_bytes, write)
+        elif self.rank == 0:
+            write()
 
     def finish_writing(self) -> None:
         """A trainer on its way out (an error, a lost peer) waits, within its stop budget, for its write."""
