@@ -1,6 +1,6 @@
 """What checkpoints cost: training time at the default interval, and loading at a restart.
 
-    python benchmarks/checkpoint_overhead.py [--interval 20 --steps 120] [--ranks 2 4]
+    python benchmarks/checkpoint_overhead.py [--interval 20 --steps 120] [--ranks 2 4] [--snapshot-model bert_large]
 
 1. Overhead. The same training run without checkpoints, with asynchronous saves (the default)
    and with synchronous ones, side by side, several times each. Checkpointing at a short
@@ -12,6 +12,12 @@
    every rank did before, with the bytes each approach reads from the shared file system. Here
    the file is in the page cache and the broadcast is gloo on loopback, so the times show the
    cost of the broadcast, not what FSx would charge for N reads: that is the bytes column.
+3. Snapshot (CUDA only; elsewhere it says it waits for a GPU). What an asynchronous save holds the
+   loop up for (``blocking_s`` of ``checkpoint_saved``) on a model and AdamW state on the GPU:
+   copying each tensor to pageable host memory, as saves did before, against queueing
+   non-blocking copies into page-locked buffers (training/loop/checkpoint.py, Snapshot), and
+   how long after that those copies are done (which the writer thread waits for, not the loop).
+   Interleaved, after a device sync, as the trainer's save follows its finiteness check.
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch
+
 from training.config import CheckpointSection, load_train_config
+from training.loop.checkpoint import HostCopies, Snapshot
 from training.loop.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,6 +138,62 @@ def _every_rank_reads(checkpoint: Path, ranks: int) -> float:
     return max(float(r.communicate()[0]) for r in readers)
 
 
+def _pageable(state):
+    """How saves copied to the host before Snapshot: each tensor to pageable memory, one at a time."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _pageable(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_pageable(v) for v in state)
+    return state
+
+
+def snapshot(args) -> None:
+    if not torch.cuda.is_available():
+        print("\nsnapshot: needs a CUDA device; the blocking part of an asynchronous save waits for a GPU")
+        return
+    from training.models import build_model
+
+    model = build_model(args.snapshot_model).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for parameter in model.parameters():
+        parameter.grad = torch.randn_like(parameter)
+    optimizer.step()  # the moments exist
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    size = sum(t.numel() * t.element_size() for t in _tensors(state))
+    copies = HostCopies()
+    Snapshot(state, copies).ready()  # warm: the first page-locked allocation is the host allocator's
+    times: dict[str, list[float]] = {"pageable": [], "queued": [], "copies done": []}
+    for _ in range(args.repeats):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        _pageable(state)
+        times["pageable"].append(time.perf_counter() - started)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        taken = Snapshot(state, copies)
+        times["queued"].append(time.perf_counter() - started)
+        taken.ready()
+        times["copies done"].append(time.perf_counter() - started)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\nsnapshot of {args.snapshot_model} + AdamW, {size / 2**20:.0f} MiB on {torch.cuda.get_device_name()}, "
+          f"median of {args.repeats}: the loop blocked {median['pageable'] * 1000:.0f} ms copying to pageable memory "
+          f"against {median['queued'] * 1000:.1f} ms queueing copies to page-locked buffers, done "
+          f"{median['copies done'] * 1000:.0f} ms after the save began")
+
+
+def _tensors(state):
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from _tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _tensors(value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet18")
@@ -140,10 +205,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--skip-restart", action="store_true")
+    parser.add_argument("--snapshot-model", default="bert_large")
     args = parser.parse_args()
     if not args.skip_overhead:
         overhead(args)
-    restart(args)
+    if not args.skip_restart:
+        restart(args)
+    snapshot(args)
 
 
 if __name__ == "__main__":

@@ -372,7 +372,7 @@ def feed_overhead(table: Table, sizes: Sizes, device: str, steps: int = 40, roun
     import itertools
     import time
 
-    from training.diagnostics.throughput import _single_batch
+    from training.diagnostics.throughput import _single_batch, reference_optimizer
     from training.data.datasets import build_dataset, build_loader
     from training.data.feed import DeviceFeed, move
     from training.device import detect
@@ -385,8 +385,8 @@ def feed_overhead(table: Table, sizes: Sizes, device: str, steps: int = 40, roun
                                       f"--train.micro_batch_size={sizes.batch}", f"--train.global_batch_size={sizes.batch}"])
     runtime = detect(device)
     model = build_model(config.model.name, 1000, sizes.image_size).to(runtime.device).to(memory_format=torch.channels_last)
-    # Learning rate 0, as in training.diagnostics.throughput.bare_loop: the fixed batch would otherwise be learnt.
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9, weight_decay=1e-4)
+    # The bare loop's optimizer, at learning rate 0: the fixed batch would otherwise be learnt.
+    optimizer = reference_optimizer(model, config)
     if device == "cuda":
         model = compile_with_fallback(model)
     host_inputs, host_target = _single_batch(config)

@@ -3,18 +3,20 @@ exported tree under unique names, loaded without running code, and checked at st
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 import torch
 
 from tests.conftest import REPO
-from training.loop.checkpoint import STALE_TEMPORARY_S, CheckpointError, CheckpointManager, _unique
+from training.loop.checkpoint import STALE_TEMPORARY_S, CheckpointError, CheckpointManager, HostCopies, _unique
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -243,3 +245,93 @@ def test_a_read_error_that_persists_does_not_start_fresh_over_the_checkpoints(tm
     monkeypatch.undo()
     manager.path(4).write_bytes(b"\0" * 64)
     assert decide(manager, {}, {}, "start_fresh")["kind"] == "fresh"
+
+
+class _PretendDevice(HostCopies):
+    """The tensors in ``on`` stand for device tensors. A copy out of one is queued as a device
+    queues it: it takes the tensor's value at that point of the stream (later changes are queued
+    after it), and that value lands in the host buffer only once the copy's event is waited for;
+    until then the buffer holds NaN, what a reader that did not wait could find there."""
+
+    def __init__(self, on):
+        self.pointers = {t.data_ptr() for t in on}
+        self.log, self.buffers, self.queued = [], [], []
+        self.let_copies_finish = threading.Event()
+
+    def on_device(self, tensor):
+        return tensor.data_ptr() in self.pointers
+
+    def empty_like(self, tensor, pin_memory):
+        self.log.append(("empty_like", tuple(tensor.shape), pin_memory))
+        buffer = torch.full_like(tensor, float("nan"))
+        self.buffers.append(buffer)
+        return buffer
+
+    def copy_(self, destination, source, non_blocking):
+        self.log.append(("copy_", tuple(source.shape), non_blocking, any(destination is b for b in self.buffers)))
+        self.queued.append((destination, source.clone()))
+
+    def record(self, device):
+        self.log.append(("record", threading.current_thread().name))
+        return len(self.queued)
+
+    def synchronize(self, event):
+        assert self.let_copies_finish.wait(30)
+        self.log.append(("synchronize", threading.current_thread().name))
+        for destination, value in self.queued[:event]:
+            destination.copy_(value)
+
+
+def test_device_tensors_are_copied_into_page_locked_buffers_without_blocking_and_read_once_copied(tmp_path):
+    weights, moments = torch.arange(6.0).reshape(2, 3), torch.ones(3)
+    step = torch.tensor(7)  # a host tensor: cloned at once
+    device = _PretendDevice(on=[weights, moments])
+    state = {"model": {"w": weights}, "optimizer": {"state": {0: {"exp_avg": moments, "step": step}}},
+             "progress": {"step": 3, "history": [["a", 0, 3]]}}
+    expected = copy.deepcopy(state)
+    manager = CheckpointManager(tmp_path, async_save=True, host_copies=device)
+
+    manager.save(3, state)  # returns with the copies queued, not done: it does not wait for the device
+    assert device.log == [("empty_like", (2, 3), True), ("copy_", (2, 3), True, True),
+                          ("empty_like", (3,), True), ("copy_", (3,), True, True), ("record", "MainThread")]
+    weights += 1  # the next steps change everything at once
+    moments.mul_(0)
+    step += 1
+    device.let_copies_finish.set()
+    manager.wait()
+
+    assert device.log[-1] == ("synchronize", "checkpoint-3")  # the writer waited for the copies
+    saved = manager.load_newest().state
+    assert saved["progress"] == expected["progress"]
+    assert torch.equal(saved["model"]["w"], expected["model"]["w"])  # no NaN: read after the copies landed
+    assert torch.equal(saved["optimizer"]["state"][0]["exp_avg"], expected["optimizer"]["state"][0]["exp_avg"])
+    assert torch.equal(saved["optimizer"]["state"][0]["step"], torch.tensor(7))
+
+
+def test_an_async_save_holds_the_state_at_save_time_while_training_goes_on(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def train_step():
+        optimizer.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+
+    train_step()
+    manager = CheckpointManager(tmp_path, async_save=True)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    expected = copy.deepcopy(state)
+    manager.save(1, state)
+    for _ in range(3):  # at once: weights, running statistics and moments all change in place
+        train_step()
+    manager.wait()
+
+    saved = manager.load_newest().state
+    assert saved["model"].keys() == expected["model"].keys()
+    assert all(torch.equal(saved["model"][key], tensor) for key, tensor in expected["model"].items())
+    assert all(torch.equal(saved["optimizer"]["state"][index][name], tensor)
+               for index, moments in expected["optimizer"]["state"].items() for name, tensor in moments.items())
+    changed = model.state_dict()
+    assert not torch.equal(changed["0.weight"], expected["model"]["0.weight"])  # training did go on
+    assert not torch.equal(changed["1.running_mean"], expected["model"]["1.running_mean"])

@@ -11,16 +11,24 @@ batch, on OpenMP threads) alone cost about 3 % (OMP_NUM_THREADS=1 against the de
 Here the workers write each sample straight into its batch's slot: one block of shared
 memory per field, allocated once and registered with CUDA as page-locked (cudaHostRegister),
 so the device copies from it directly. A worker returns only the slot number and the
-problems. The DataLoader keeps at most ``workers * prefetch_factor`` batches requested ahead
-(torch.utils.data.dataloader, ``_try_put_index``), so with two more slots than that a slot is
-refilled only two batches after it was read, once its copy to the device has finished
-(:meth:`BatchSlots.read` waits for that copy's event).
+problems.
+
+A slot is written again only once the copy out of it has finished, whatever the DataLoader
+asks for and when: batch n goes into slot n mod ``count`` as that slot's turn n // ``count``,
+and the worker writing it first waits until the slot's previous turn has been released. The
+consumer releases a turn once the copy of its batch to the device is known to be done (the
+event recorded after that copy was enqueued, see :meth:`BatchSlots.copied`); the released
+turns are in shared memory, where the workers read them. The ring's size is for speed only:
+the DataLoader keeps ``workers * prefetch_factor`` batches requested ahead
+(torch.utils.data.dataloader, ``_try_put_index``, v2.13.0), so with two slots more than that
+(:func:`slot_count`) a worker finds its slot already released and never waits.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -34,34 +42,42 @@ log = logging.getLogger(__name__)
 
 # cudaHostRegisterPortable: page-locked for every CUDA context, not only the registering thread's.
 _HOST_REGISTER_PORTABLE = 1
+# Seconds a worker waits for its slot before it gives up with an error. With slot_count's ring it
+# never waits; with a smaller one it waits for the trainer to take and copy earlier batches,
+# which a long evaluation or checkpoint can hold up for minutes.
+SLOT_WAIT_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
 class SlotRequest:
-    """One micro-batch's sample keys and the slot its worker writes them into."""
+    """One micro-batch's sample keys, the slot its worker writes them into and the slot's turn."""
 
     slot: int
+    turn: int
     keys: list[Any]
 
 
 @dataclass(frozen=True)
 class FilledSlot:
-    """A worker's answer: the batch is in ``slot``; ``problems`` names the samples that could not be read."""
+    """A worker's answer: the batch is in ``slot`` (its ``turn``); ``problems`` names the samples
+    that could not be read."""
 
     slot: int
+    turn: int
     size: int
     problems: list[str]
 
 
 class SlotSampler(Sampler):
-    """The batch sampler's micro-batches, each with its slot: batch n goes to slot n mod ``count``."""
+    """The batch sampler's micro-batches, each with its slot and turn (see :meth:`BatchSlots.issue`)."""
 
-    def __init__(self, batches: Sampler, count: int):
-        self.batches, self.count = batches, count
+    def __init__(self, batches: Sampler, slots: BatchSlots):
+        self.batches, self.slots = batches, slots
 
     def __iter__(self) -> Iterator[SlotRequest]:
-        for n, keys in enumerate(self.batches):
-            yield SlotRequest(n % self.count, list(keys))
+        for keys in self.batches:
+            slot, turn = self.slots.issue()
+            yield SlotRequest(slot, turn, list(keys))
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -83,9 +99,11 @@ class SlotFiller(Dataset):
         problems = []
         for position, key in enumerate(request.keys):
             inputs, target, index, weight, problem = self.keyed[key]
+            if position == 0:  # the first sample is read meanwhile
+                self.slots.wait_turn(request.slot, request.turn)
             self.slots.write(request.slot, position, inputs, target, index, weight)
             problems.append(problem)
-        return FilledSlot(request.slot, len(request.keys), problems)
+        return FilledSlot(request.slot, request.turn, len(request.keys), problems)
 
 
 class BatchSlots:
@@ -95,19 +113,31 @@ class BatchSlots:
     device are asynchronous DMA from the slots themselves.
     """
 
-    def __init__(self, count: int, batch_size: int, sample: tuple[Any, Any], pin_for: torch.device | None = None):
+    def __init__(self, count: int, batch_size: int, sample: tuple[Any, Any], pin_for: torch.device | None = None,
+                 wait_timeout_s: float = SLOT_WAIT_TIMEOUT_S):
+        if count < 2:
+            # Slot n mod 1 would wait for the release of the batch just before it, which the
+            # consumer releases only once it asks for the next one: for this very batch.
+            raise ValueError(f"batch slots: got count {count}; allowed: 2 or more")
         inputs, target = (torch.as_tensor(part) for part in sample)
         self.count, self.batch_size = count, batch_size
+        self.wait_timeout_s = wait_timeout_s
         self.inputs = torch.empty((count, batch_size, *inputs.shape), dtype=inputs.dtype).share_memory_()
         self.target = torch.empty((count, batch_size, *target.shape), dtype=target.dtype).share_memory_()
         # Index and weight as the default collation makes them from ints and floats.
         self.index = torch.empty((count, batch_size), dtype=torch.int64).share_memory_()
         self.weight = torch.empty((count, batch_size), dtype=torch.float64).share_memory_()
+        # Per slot, the turn that may be written now: every earlier turn's batch has been copied
+        # out. Written by the consumer, read by the workers (shared memory); one aligned 8-byte
+        # value each, so a worker reads either the old turn or the new one.
+        self.released = torch.zeros(count, dtype=torch.int64).share_memory_()
+        self._issued = 0  # batches handed to loaders so far (in the process that iterates the sampler)
         self._registered: list[Tensor] = []
         self._device = pin_for
         if pin_for is not None:
             self._register()
-        self._copies: deque = deque()
+        self._copies: deque = deque()  # (slot, turn, event) of the batches read, oldest first
+        self._last: tuple[int, int] | None = None  # slot and turn of the batch read last
 
     @property
     def nbytes(self) -> int:
@@ -159,37 +189,81 @@ class BatchSlots:
         self.weight[slot, position] = weight
 
     def sampler(self, batches: Sampler) -> SlotSampler:
-        return SlotSampler(batches, self.count)
+        return SlotSampler(batches, self)
+
+    def issue(self) -> tuple[int, int]:
+        """The slot and turn of the next batch a loader asks for: batch n (counted over every loader
+        these slots serve) goes into slot n mod ``count``, as its turn n // ``count``."""
+        n, self._issued = self._issued, self._issued + 1
+        return n % self.count, n // self.count
+
+    def wait_turn(self, slot: int, turn: int) -> None:
+        """In a worker, before writing ``turn`` of ``slot``: wait until the copy of the slot's previous
+        turn has finished (the consumer released it), whatever the loader has asked for."""
+        released = int(self.released[slot])
+        if released == turn:
+            return
+        deadline = time.monotonic() + self.wait_timeout_s
+        pause = 0.0005
+        while released < turn:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"batch slot {slot}: waited {self.wait_timeout_s:g} s to write its turn {turn} while the "
+                    f"trainer had released only up to turn {released} (the copy of an earlier batch out of it "
+                    f"has not been seen to finish); the ring holds {self.count} slots")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+            released = int(self.released[slot])
+        if released > turn:
+            # Released past this turn: its loader was closed (settle) and nobody will read it.
+            raise RuntimeError(f"batch slot {slot}: turn {turn} belongs to a loader that has been closed")
+
+    def _release(self, slot: int, turn: int) -> None:
+        self.released[slot] = max(int(self.released[slot]), turn + 1)
+
+    def _settled(self, entry: tuple[int, int, Any]) -> None:
+        slot, turn, done = entry
+        if done is not None:
+            done.synchronize()
+        self._release(slot, turn)
 
     def read(self, filled: Iterable[FilledSlot]) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor, list[str]]]:
         """The loader's batches as views into their slots, in the trainer's (inputs, target, index,
-        weight, problems) form. Before asking the loader for a batch (which lets it request one
-        more, into the slot read two batches ago), waits until that slot's copy has finished."""
+        weight, problems) form. Before asking the loader for a batch, waits for the copies out of
+        every slot read before the last one and releases those slots: a worker waiting for one
+        is never left waiting on a batch this loop has yet to ask for (see ``count`` >= 2)."""
         batches = iter(filled)
         while True:
-            if len(self._copies) == 2:
-                done = self._copies.popleft()
-                if done is not None:
-                    done.synchronize()
+            while len(self._copies) >= 2:
+                self._settled(self._copies.popleft())
             try:
                 batch = next(batches)
             except StopIteration:
                 return
             n, s = batch.size, batch.slot
+            self._last = (s, batch.turn)
             # Index and weight are small and stay on the host for the logs: copies, not views.
             yield (self.inputs[s, :n], self.target[s, :n], self.index[s, :n].clone(), self.weight[s, :n].clone(),
                    batch.problems)
 
     def copied(self, event: Any) -> None:
-        """The batch last read has been copied out, once ``event`` completes (None: already done)."""
-        self._copies.append(event)
+        """The batch last read has been copied out, once ``event`` completes (None: already done):
+        its slot is released for the next turn after that."""
+        if self._last is None:
+            raise RuntimeError("batch slots: copied() with no batch read since the last one")
+        slot, turn = self._last
+        self._last = None
+        self._copies.append((slot, turn, event))
 
     def settle(self) -> None:
-        """Wait for every copy out of the slots (before a new loader refills them)."""
+        """Wait for every copy out of the slots and release every turn handed out so far, also those
+        of batches a closed loader asked for and never delivered (before a new loader refills them)."""
         while self._copies:
-            done = self._copies.popleft()
-            if done is not None:
-                done.synchronize()
+            self._settled(self._copies.popleft())
+        self._last = None
+        for slot in range(self.count):
+            # The turn of the next batch that will go into this slot.
+            self._release(slot, (self._issued + self.count - 1 - slot) // self.count - 1)
 
     def close(self) -> None:
         self.settle()
@@ -200,5 +274,6 @@ class BatchSlots:
 
 
 def slot_count(workers: int, prefetch_factor: int) -> int:
-    """Slots enough that the loader never refills one whose copy may still be running."""
+    """Slots enough that no worker waits: the loader asks for a batch into a slot only after the
+    copy of the slot's previous batch has been released."""
     return workers * prefetch_factor + 2

@@ -25,6 +25,7 @@ from training.device import detect
 from training.models import build_model
 from training.loop.compile import compile_with_fallback, should_compile
 from training.loop.objective import per_sample_loss
+from training.loop.optimizer import build_optimizer
 from training.loop.trainer import Trainer
 
 
@@ -62,13 +63,7 @@ def bare_loop(config: TrainConfig, steps: int, warmup: int, losses: list[torch.T
     channels_last = config.model.channels_last and not config.model.is_masked_lm
     if channels_last:
         model.to(memory_format=torch.channels_last)
-    # Learning rate 0: the step does all its work (momentum, weight decay, the update), but the
-    # weights stay put. Trained on its one batch, the loop would drive loss and gradients toward
-    # zero, into subnormal floats, which x86 cores compute many times slower: an MLP's loop on one
-    # CPU thread fell from 6,300 to 2,300 samples/s within 200 steps, a reference that slows down
-    # and flatters the trainer, whose batches are always new. GPUs compute subnormals at full speed.
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=config.optim.momentum,
-                                weight_decay=config.optim.weight_decay)
+    optimizer = reference_optimizer(model, config)
     if should_compile(config, runtime.kind):  # the trainer's rule, so both sides compile or neither
         model = compile_with_fallback(model)
     trainer_like = _single_batch(config)
@@ -88,6 +83,28 @@ def bare_loop(config: TrainConfig, steps: int, warmup: int, losses: list[torch.T
             losses.append(loss.detach())
     runtime.synchronize()
     return steps * batch / (time.perf_counter() - started)
+
+
+def reference_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """The trainer's optimizer for ``config``, built by the trainer's own builder
+    (training/loop/optimizer.py: the same class, parameter groups, momentum or betas and weight
+    decay), at learning rate 0.
+
+    Learning rate 0: the step does all its work (momentum or moments, weight decay, the update),
+    but the weights stay put. Trained on its one batch, the loop would drive loss and gradients
+    toward zero, into subnormal floats, which x86 cores compute many times slower: an MLP's loop
+    on one CPU thread fell from 6,300 to 2,300 samples/s within 200 steps, a reference that slows
+    down and flatters the trainer, whose batches are always new. GPUs compute subnormals at full
+    speed. AdamW too leaves the weights as they are at rate 0: its decoupled weight decay is
+    ``param.mul_(1 - lr * weight_decay)`` and its update is scaled by ``lr / bias_correction1``
+    (torch/optim/adam.py, _single_tensor_adam and _multi_tensor_adam, which AdamW runs with
+    decoupled_weight_decay=True: torch/optim/adamw.py, v2.13.0). The rate is set per group after
+    building, as the trainer's schedule sets it every step.
+    """
+    optimizer = build_optimizer(model, config.optim)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    return optimizer
 
 
 def _single_batch(config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,15 +47,78 @@ class CheckpointError(Exception):
     """The checkpoint directory cannot be used as it is; the message is one line for the user."""
 
 
-def to_cpu(state: Any) -> Any:
-    """A deep copy of ``state`` with every tensor on the host, safe to write while training goes on."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):
-        return {k: to_cpu(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(to_cpu(v) for v in state)
-    return state
+class HostCopies:
+    """How a snapshot moves device tensors to the host: the CUDA calls, kept apart so that a test
+    can stand in for the device (tests/test_checkpoint.py)."""
+
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cuda"
+
+    def empty_like(self, tensor: torch.Tensor, pin_memory: bool) -> torch.Tensor:
+        # Same shape, dtype and strides (preserve_format), on the host, page-locked: torch.empty_like
+        # (torch/_torch_docs.py and _C/_VariableFunctions.pyi, v2.13.0).
+        return torch.empty_like(tensor, device="cpu", pin_memory=pin_memory)
+
+    def copy_(self, destination: torch.Tensor, source: torch.Tensor, non_blocking: bool) -> None:
+        destination.copy_(source, non_blocking=non_blocking)
+
+    def record(self, device: torch.device) -> Any:
+        """An event after every copy enqueued so far on ``device``'s current stream."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+
+class Snapshot:
+    """A deep copy of a state with every tensor on the host; :meth:`ready` before reading it.
+
+    A device tensor goes into a page-locked host buffer by a non-blocking copy, enqueued on the
+    device's current stream: a copy to pageable memory would block the caller until the device
+    had run everything queued before it, tensor by tensor, and then copy at pageable speed
+    (``Tensor.copy_``: with ``non_blocking`` "the copy may occur asynchronously with respect to
+    the host", torch/_tensor_docs.py v2.13.0; and a host tensor so filled must not be read before
+    the copy is known to be done: the "good usage of non_blocking and pin_memory()" tutorial,
+    pytorch.org/tutorials/intermediate/pinmem_nonblock.html, linked from ``Tensor.to``'s
+    docstring in v2.13.0). The copy reads the tensor as it is at that point of the stream: the
+    training steps enqueued after save() returns, and collectives (NCCL's stream waits for the
+    current one), change it only after the copy has read it. One event per device, waited for
+    by whoever reads the snapshot (the writer thread), says the copies are done. A host tensor
+    is cloned at once (save() returns only after the clone). The device tensors are held until
+    :meth:`ready`, so that none is freed and its memory reused while its copy is queued.
+    """
+
+    def __init__(self, state: Any, copies: HostCopies):
+        self._copies = copies
+        self._sources: list[torch.Tensor] = []
+        devices: dict[torch.device, None] = {}
+        self._state = self._copy(state, devices)
+        self._events = [copies.record(device) for device in devices]
+
+    def _copy(self, value: Any, devices: dict[torch.device, None]) -> Any:
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+            if not self._copies.on_device(value):
+                return value.to("cpu", copy=True)  # a clone on the host; elsewhere a blocking copy
+            buffer = self._copies.empty_like(value, pin_memory=True)
+            self._copies.copy_(buffer, value, non_blocking=True)
+            self._sources.append(value)
+            devices[value.device] = None
+            return buffer
+        if isinstance(value, dict):
+            return {k: self._copy(v, devices) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(v, devices) for v in value)
+        return value
+
+    def ready(self) -> Any:
+        """The state, once every copy into it has completed."""
+        for event in self._events:
+            self._copies.synchronize(event)
+        self._events, self._sources = [], []
+        return self._state
 
 
 @dataclass
@@ -65,8 +128,10 @@ class Saved:
     step: int
     path: Path
     bytes: int
-    write_s: float  # from the start of the file write to the synced rename
-    blocking_s: float  # how long the caller of save() was held up (the host copy, plus the write if synchronous)
+    write_s: float  # from the start of the write (which first waits for the copies to the host) to the synced rename
+    # How long the caller of save() was held up: cloning the host tensors and enqueueing the device
+    # tensors' copies; synchronous, also waiting for those copies and the write.
+    blocking_s: float
 
 
 @dataclass
@@ -88,7 +153,8 @@ class CheckpointManager:
 
     def __init__(self, directory: str | Path, keep_last: int = 3, async_save: bool = False,
                  staging_dir: str | Path | None = None, on_saved: Callable[[Saved], None] | None = None,
-                 on_set_aside: Callable[[Path, list[str]], None] | None = None):
+                 on_set_aside: Callable[[Path, list[str]], None] | None = None,
+                 host_copies: HostCopies | None = None):
         self.directory = Path(directory)
         self.staging_dir = Path(staging_dir) if staging_dir else self.directory / ".staging"
         self.keep_last = keep_last
@@ -96,6 +162,7 @@ class CheckpointManager:
         self.on_saved = on_saved
         # Told where unreadable files were moved and why ("step-…: reason"), by retention.
         self.on_set_aside = on_set_aside
+        self.host_copies = host_copies or HostCopies()
         self.last_saved: Saved | None = None
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -184,11 +251,13 @@ class CheckpointManager:
     # --- saving --------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any], asynchronous: bool | None = None) -> None:
-        """Save ``state`` as ``step``. Asynchronous (``async_save`` unless told) copies to host memory
-        now and writes in the background; ``on_saved`` says when the file is durable."""
+        """Save ``state`` as ``step``. Asynchronous (``async_save`` unless told) starts the copy to host
+        memory now (see Snapshot) and writes in the background; ``on_saved`` says when the file is
+        durable. The file holds ``state`` as it is when save() is called, whatever the caller
+        changes after it returns."""
         self.wait()
         started = time.perf_counter()
-        host_state = to_cpu(state)
+        host_state = Snapshot(state, self.host_copies)
         copy_s = time.perf_counter() - started
         if not (self.async_save if asynchronous is None else asynchronous):
             self._write(step, host_state, copy_s, synchronous=True)
@@ -217,14 +286,15 @@ class CheckpointManager:
             raise error
         return True
 
-    def _write_guarded(self, step: int, state: dict[str, Any], copy_s: float) -> None:
+    def _write_guarded(self, step: int, state: Snapshot, copy_s: float) -> None:
         try:
             self._write(step, state, copy_s, synchronous=False)
         except BaseException as exc:  # noqa: BLE001 - surfaced by wait() in the training loop
             self._error = exc
 
-    def _write(self, step: int, state: dict[str, Any], copy_s: float = 0.0, synchronous: bool = True) -> None:
+    def _write(self, step: int, snapshot: Snapshot, copy_s: float = 0.0, synchronous: bool = True) -> None:
         started = time.perf_counter()
+        state = snapshot.ready()  # the copies out of the device are done before anything reads them
         self.directory.mkdir(parents=True, exist_ok=True)
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         final = self.path(step)
