@@ -8,7 +8,6 @@ left out (it would otherwise hold values typed by hand).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -32,23 +31,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from cdk8s import App
 
-    from k8s_charts.render import render_job, render_platform, volume_from_outputs
+    from k8s_charts.render import (
+        DATA_PREP_CHART, check_job_names, read_outputs, render_job, render_platform, volume_from_outputs,
+    )
 
     try:
         config = load_config(args.config)
-        volume = volume_from_outputs(json.loads(Path(args.outputs).read_text()), config) if args.outputs else None
+        volume = volume_from_outputs(read_outputs(args.outputs), config) if args.outputs else None
         app = App(outdir=args.out, output_file_extension=".yaml")
         render_platform(app, config, volume)
         from k8s_charts.job_spec import load_job_spec
 
         specs = [load_job_spec(path, config) for path in args.job]
+        check_job_names(config, list(zip(args.job, specs, strict=True)))
         for spec in specs:
             render_job(app, config, spec)
         image = args.image or (specs[0].image if specs else None)
         if image:
             from k8s_charts.job_charts import DataPrepChart
 
-            DataPrepChart(app, "prepare-imagenet", config, image)
+            DataPrepChart(app, DATA_PREP_CHART, config, image)
     except ConfigError as exc:
         exit_on_config_error(exc)
     except (OSError, ValueError, KeyError) as exc:

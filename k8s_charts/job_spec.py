@@ -32,7 +32,12 @@ _PATTERN_HELP = {
     r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$": "lowercase letters, digits and '-', starting with a letter, at most 40",
     K8S_NAME_PATTERN: K8S_NAME_HELP,
 }
-_IMAGE = re.compile(r"^[\w.-]+(:\d+)?(/[\w.-]+)+(:[\w][\w.-]{0,127}|@sha256:[0-9a-f]{64})$")
+# A registry host, then repository path components, then a tag or a digest. Path components are
+# lowercase letters and digits joined by ".", "_", "__" or dashes; only the host and the tag may have
+# capitals (the reference grammar: distribution/reference regexp.go, v0.6.0). Kubernetes passes an
+# image name with capitals to the runtime, whose pull fails: the job would wait in ErrImagePull.
+_IMAGE = re.compile(r"^[A-Za-z0-9.-]+(:\d+)?(/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)+"
+                    r"(:[\w][\w.-]{0,127}|@sha256:[0-9a-f]{64})$")
 
 
 class JobSpec(StrictModel):
@@ -64,8 +69,8 @@ class JobSpec(StrictModel):
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo):
         if not _IMAGE.match(self.image) or self.image.endswith(":latest"):
-            raise FieldProblem("image", self.image, "an image pinned by tag or digest, e.g. "
-                               "123456789012.dkr.ecr.us-west-2.amazonaws.com/trainer:gpu-0.1.0 (not :latest)")
+            raise FieldProblem("image", self.image, "an image pinned by tag or digest, its repository in lowercase, "
+                               "e.g. 123456789012.dkr.ecr.us-west-2.amazonaws.com/trainer:gpu-0.1.0 (not :latest)")
         if self.priority_class and self.priority_class.startswith("system-"):
             raise FieldProblem("priority_class", self.priority_class, "the platform's PriorityClass or one of yours",
                                "system- classes are reserved for the cluster's own critical pods")

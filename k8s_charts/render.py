@@ -18,20 +18,56 @@ from k8s_charts.platform_charts import (
 _OUTPUT_KEYS = {"file_system_id": "FileSystemId", "dns_name": "FileSystemDnsName", "mount_name": "FileSystemMountName"}
 
 
+# The platform's charts, by id: each id is also the chart's file in dist/.
+PLATFORM_CHARTS = {"namespaces": NamespacesChart, "storage-class": StorageClassChart,
+                   "etcd-certificates": EtcdCertificatesChart, "etcd": EtcdChart, "scheduling": SchedulingChart}
+STORAGE_CHART = "storage"
+DATA_PREP_CHART = "prepare-imagenet"
+
+
 def render_platform(scope: Construct, config: PlatformConfig, volume: LustreVolumeValues | None) -> None:
-    NamespacesChart(scope, "namespaces", config)
-    StorageClassChart(scope, "storage-class", config)
-    EtcdCertificatesChart(scope, "etcd-certificates", config)
-    EtcdChart(scope, "etcd", config)
-    SchedulingChart(scope, "scheduling", config)
+    for chart_id, chart in PLATFORM_CHARTS.items():
+        chart(scope, chart_id, config)
     if volume is not None:
-        StorageChart(scope, "storage", config, volume)
+        StorageChart(scope, STORAGE_CHART, config, volume)
+
+
+def job_chart_ids(config: PlatformConfig, spec: JobSpec) -> list[str]:
+    """The charts (and dist/ files) a job renders: the training job, and on NVIDIA its NCCL check."""
+    nvidia = spec.group(config).instance.accelerator is Accelerator.NVIDIA
+    return [spec.name, *([f"{spec.name}-nccl-check"] if nvidia else [])]
+
+
+def check_job_names(config: PlatformConfig, specs: list[tuple[str, JobSpec]]) -> None:
+    """Each job's charts need ids (dist/ file names) of their own: not the platform's, the data
+    preparation job's or another job's. ``specs``: each spec's file and the spec, in order."""
+    taken = {chart_id: "the platform's" for chart_id in [*PLATFORM_CHARTS, STORAGE_CHART]}
+    taken[DATA_PREP_CHART] = "the data preparation job's"
+    for path, spec in specs:
+        for chart_id in job_chart_ids(config, spec):
+            if chart_id in taken:
+                raise ValueError(f"--job {path}: name: got {spec.name!r}, whose manifest {chart_id}.yaml would "
+                                 f"overwrite {taken[chart_id]}; allowed: a name no other manifest uses")
+            taken[chart_id] = f"the one of --job {path}"
 
 
 def render_job(scope: Construct, config: PlatformConfig, spec: JobSpec) -> None:
-    TrainingJobChart(scope, spec.name, config, spec)
-    if spec.group(config).instance.accelerator is Accelerator.NVIDIA:
-        NcclCheckChart(scope, f"{spec.name}-nccl-check", config, spec)
+    training, *check = job_chart_ids(config, spec)
+    TrainingJobChart(scope, training, config, spec)
+    for chart_id in check:
+        NcclCheckChart(scope, chart_id, config, spec)
+
+
+def read_outputs(path: str) -> dict[str, Any]:
+    """The JSON ``cdk deploy --outputs-file`` wrote, or one line saying what is wrong with the file."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--outputs: {path} is not JSON ({exc.msg}, line {exc.lineno} column {exc.colno}); allowed: "
+                         "the file `cdk deploy --outputs-file` writes") from None
 
 
 def volume_from_outputs(outputs: dict[str, Any], config: PlatformConfig) -> LustreVolumeValues:

@@ -360,6 +360,10 @@ BASE = {"name": "j", "image": "repo.example.com/trainer:gpu-1", "node_group": "p
         ({"min_nodes": 3, "max_nodes": 2}, "min_nodes: got 3; allowed: at most max_nodes (2)"),
         ({"max_nodes": 9}, "max_nodes: got 9; allowed: at most 4, the node group's max_size"),
         ({"image": "trainer:latest"}, 'image: got "trainer:latest"; allowed: an image pinned by tag or digest'),
+        # A repository with capitals: the runtime's pull fails and the job waits in ErrImagePull.
+        ({"image": "123456789012.dkr.ecr.us-west-2.amazonaws.com/Trainer:gpu-0.1.0"},
+         'image: got "123456789012.dkr.ecr.us-west-2.amazonaws.com/Trainer:gpu-0.1.0"; allowed: an image pinned by '
+         'tag or digest, its repository in lowercase'),
         ({"name": "Resnet_50"}, 'name: got "Resnet_50"; allowed: lowercase letters, digits and'),
         ({"checkpoint_path": "/tmp/ck"}, 'checkpoint_path: got "/tmp/ck"; allowed: an absolute path on the shared'),
         ({"gpus": 8}, "gpus: unknown key; allowed keys here: accelerators_per_node,"),
@@ -397,6 +401,33 @@ def test_the_renderer_writes_dist_and_reports_a_bad_spec_in_one_line(tmp_path):
     assert result.stderr.strip() == (f'config error: {bad}: node_group: got "p5" (not a node group of this '
                                      'platform); allowed: p4d, trn1')
     assert (tmp_path / "dist" / "storage.yaml").exists()  # nothing was overwritten
+
+
+@pytest.mark.parametrize("case", ["platform name", "the same job twice", "broken outputs"])
+def test_the_renderer_refuses_what_would_overwrite_or_crash_in_one_line(tmp_path, case):
+    # Each of these used to end in a traceback (cdk8s: "There is already a Construct with name ...",
+    # or json's decoder message), after a platform manifest could have been overwritten in dist/.
+    example = EXAMPLES / "resnet50-p4d.yaml"
+    args, expected = {
+        "platform name": ([], "error: --job {job}: name: got 'etcd', whose manifest etcd.yaml would overwrite the "
+                              "platform's; allowed: a name no other manifest uses"),
+        "the same job twice": ([str(example)], f"error: --job {example}: name: got 'resnet50-imagenet', whose manifest "
+                                               f"resnet50-imagenet.yaml would overwrite the one of --job {example}; "
+                                               "allowed: a name no other manifest uses"),
+        "broken outputs": (["--outputs", str(tmp_path / "outputs.json")],
+                           f"error: --outputs: {tmp_path / 'outputs.json'} is not JSON (Expecting property name enclosed "
+                           "in double quotes, line 1 column 2); allowed: the file `cdk deploy --outputs-file` writes"),
+    }[case]
+    job = tmp_path / "job.yaml"
+    job.write_text(example.read_text().replace("name: resnet50-imagenet", "name: etcd" if case == "platform name"
+                                               else "name: resnet50-imagenet"))
+    (tmp_path / "outputs.json").write_text("{broken")
+    first = str(job) if case == "platform name" else str(example)
+    result = subprocess.run([sys.executable, "-m", "k8s_charts", "--job", first, *(
+        ["--job", *args] if case == "the same job twice" else args), "--out", str(tmp_path / "dist")],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr.strip()) == (2, expected.format(job=job))
+    assert not (tmp_path / "dist").exists()  # nothing written
 
 
 def test_kubernetes_validate_catches_a_misspelt_field():

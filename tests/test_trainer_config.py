@@ -84,6 +84,22 @@ def test_the_cli_prints_one_line_and_exits_2_without_a_traceback():
     )
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["bench", "--steps", "0"], "error: python -m training bench: argument --steps: got '0'; allowed: a whole number of "
+                                "at least 1; see `python -m training bench --help`"),
+    (["bench", "--warmup-steps=x"], "error: python -m training bench: argument --warmup-steps: got 'x'; allowed: a whole "
+                                    "number of at least 0; see `python -m training bench --help`"),
+    (["allreduce-bench", "--iterations", "-2"], "error: python -m training allreduce-bench: argument --iterations: got "
+                                                "'-2'; allowed: a whole number of at least 1; see `python -m training "
+                                                "allreduce-bench --help`"),
+])
+def test_a_bad_count_on_the_command_line_is_one_line(args, expected):
+    # bench --steps 0 used to end in an UnboundLocalError from the timing loop.
+    result = subprocess.run([sys.executable, "-m", "training", *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert (result.returncode, result.stderr.strip()) == (2, expected)
+
+
 def test_a_missing_config_file_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as caught:
         load_train_config(tmp_path / "missing.yaml")

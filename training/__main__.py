@@ -17,8 +17,28 @@ die_with_agent()
 from typed_config import ConfigError  # noqa: E402 - after die_with_agent(): it imports pydantic, which is slow
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A command-line mistake is one line naming the option, the value and what is allowed (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`\n")
+
+
+def _at_least(minimum: int):
+    """An argparse type: a whole number of at least ``minimum``, else one line saying so."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"got {text!r}; allowed: a whole number of at least {minimum}")
+        return value
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
+    parser = _OneLineParser(prog="python -m training", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser(
@@ -32,24 +52,24 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = commands.add_parser("bench", help="throughput of the trainer against a bare training loop, one process")
     bench.add_argument("--config", help="YAML trainer config; extra --section.key=value override it")
-    bench.add_argument("--steps", type=int, default=30)
-    bench.add_argument("--warmup-steps", type=int, default=5)
-    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--steps", type=_at_least(1), default=30)
+    bench.add_argument("--warmup-steps", type=_at_least(0), default=5)
+    bench.add_argument("--repeats", type=_at_least(1), default=3)
 
     prepare = commands.add_parser("prepare-imagenet", help="val/ flat -> val/<class>/, check the dataset, write a manifest")
     prepare.add_argument("root", help="dataset root holding train/ and val/ (e.g. /fsx/datasets/imagenet)")
     prepare.add_argument("--labels", required=True, help="LOC_val_solution.csv, or a 'file class' text file")
-    prepare.add_argument("--expect-classes", type=int, default=1000)
+    prepare.add_argument("--expect-classes", type=_at_least(1), default=1000)
     prepare.add_argument("--manifest", help="where to write the class-count manifest (default: ROOT/manifest.json)")
     prepare.add_argument("--verify", action="store_true",
                          help="also decode every image (all cores) and list those that fail in ROOT/bad-images.txt")
 
     sweep = commands.add_parser("allreduce-bench",
                                 help="all-reduce bandwidth sweep across the job's nodes (run under torchrun)")
-    sweep.add_argument("--min-bytes", type=int, default=8)
-    sweep.add_argument("--max-bytes", type=int, default=1 << 30)
-    sweep.add_argument("--iterations", type=int, default=20)
-    sweep.add_argument("--warmup", type=int, default=5)
+    sweep.add_argument("--min-bytes", type=_at_least(1), default=8)
+    sweep.add_argument("--max-bytes", type=_at_least(1), default=1 << 30)
+    sweep.add_argument("--iterations", type=_at_least(1), default=20)
+    sweep.add_argument("--warmup", type=_at_least(0), default=5)
     sweep.add_argument("--require-efa", action="store_true", help="fail unless NCCL selected the EFA provider")
     sweep.add_argument("--json", help="also write the table as JSON here")
 
