@@ -45,6 +45,7 @@ def problems(data: dict) -> list[str]:
     ({"checkpoint.dir": "/fsx/mine"}, 'trainer_args.checkpoint.dir: got "/fsx/mine" (the job spec sets it); '
                                       "allowed: set checkpoint_path in the job spec instead"),
     ({"checkpoint": {"dir": "/fsx/mine"}}, 'trainer_args.checkpoint.dir: got "/fsx/mine" (the job spec sets it)'),
+    ({"optim.betas": "[0.9"}, 'trainer_args.optim.betas: got "[0.9", which does not parse'),
 ])
 def test_a_bad_trainer_argument_is_one_line_naming_it(args, line):
     found = problems(job(args))

@@ -235,9 +235,18 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError("command line", [f"{key}: {part} is set twice"])
-        node[leaf] = yaml.safe_load(value) if value else None
+        node[leaf] = _yaml_value(key, value) if value else None
         i += 1
     return overrides
+
+
+def _yaml_value(key: str, text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or "not YAML"
+        raise ConfigError("command line", [f"{key}: got {show(text)}, which does not parse ({problem}); allowed: a "
+                                           "number, true/false, a string, or a list such as [0.9, 0.999]"]) from None
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
