@@ -64,6 +64,22 @@ def test_one_and_two_processes_evaluate_each_sample_once_with_identical_figures(
     assert one == two
 
 
+def test_evaluation_runs_in_the_precision_training_chose(tmp_path, monkeypatch):
+    # train.precision=auto resolves per device (bf16 on CPU); evaluation once passed "auto" to
+    # autocast, which took it for fp16.
+    config = tiny_config(tmp_path, "resnet18")
+    config = config.model_copy(update={"train": config.train.model_copy(update={"precision": "auto"})})
+    runtime = detect("cpu")
+    asked = []
+    autocast = runtime.autocast
+    monkeypatch.setattr(runtime, "autocast", lambda precision: asked.append(precision) or autocast(precision))
+    module = build_model("resnet18", config.model.num_classes, config.model.image_size)
+    train_set = build_dataset(config, None)
+    Evaluator.build(config, runtime, module, train_set, channels_last=False).evaluate(
+        step=1, epoch=0, metrics=MetricsWriter(False, None, None))
+    assert asked and set(asked) == {runtime.precision("auto")} == {"bf16"}
+
+
 # --- in the trainer -----------------------------------------------------------------------------
 
 

@@ -97,6 +97,18 @@ def test_a_spot_notice_checkpoints_at_the_next_step_and_training_goes_on(tmp_pat
     assert [c["reason"] for c in checkpoints].count("spot-notice") == 1
 
 
+def test_a_spot_notice_saves_before_it_evaluates(tmp_path, imds, monkeypatch):
+    # The two minutes are for the checkpoint: a step due for validation saves first, then validates.
+    monkeypatch.setenv(elastic.SPOT_NOTICE_ENV, "imds")
+    imds.interrupting.set()
+    Trainer(small_run(tmp_path, "--train.max_steps=4", "--checkpoint.interval_steps=100", "--eval.every_steps=1",
+                      "--eval.synthetic_samples=16")).run()
+    records = events(tmp_path)
+    (saved_at,) = [i for i, e in enumerate(records) if e.get("reason") == "spot-notice"]
+    evaluated_at = [i for i, e in enumerate(records) if e["event"] == "eval" and e["step"] == records[saved_at]["step"]]
+    assert evaluated_at and saved_at < evaluated_at[0]
+
+
 def test_off_ec2_or_without_the_notice_nothing_happens(tmp_path, imds, monkeypatch):
     monkeypatch.setenv(elastic.SPOT_NOTICE_ENV, "imds")
     Trainer(small_run(tmp_path, "--train.max_steps=8", "--checkpoint.interval_steps=100")).run()

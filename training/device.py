@@ -107,6 +107,8 @@ class Runtime:
         return choose_precision(requested, self.kind, self.name, self.capability)
 
     def autocast(self, precision: str) -> contextlib.AbstractContextManager:
+        if precision not in ("fp32", "bf16", "fp16"):  # "auto" must be resolved first (Runtime.precision)
+            raise ValueError(f"autocast takes fp32, bf16 or fp16, the precision Runtime.precision chose; got {precision!r}")
         if precision == "fp32":
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16

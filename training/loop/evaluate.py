@@ -163,7 +163,8 @@ class Evaluator:
         try:
             for number, _ in batches:
                 batch = feed.take()
-                with self.runtime.autocast(self.config.train.precision):
+                # The precision training runs in: train.precision resolved for this device (auto: bf16, or fp16).
+                with self.runtime.autocast(self.runtime.precision(self.config.train.precision)):
                     sums = self._sums(batch)
                 table[number, :SKIPPED] = sums.to(table.device, torch.float64)
                 skipped = self._skipped(batch)

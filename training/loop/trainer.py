@@ -318,7 +318,7 @@ class Trainer:
         # teardown is not training time (on an H100 it took 5-10 % of a 40-step window).
         if self.progress.step % self.config.train.log_every_steps == 0 or self._last_step():
             run.last_loss = self._report(run.window, run.flops_per_sample)
-        if not stop_now:  # a stop saves first, within its budget; the resumed round evaluates
+        if not (stop_now or notice):  # a stop or a spot notice saves first, within its budget
             self._evaluate(run)
         if stop_now:
             self._save(synchronous=True, reason="regroup" if self.regrouping else "stop")
@@ -327,6 +327,7 @@ class Trainer:
         if notice:
             self.spot.acted()
             self._save(synchronous=True, reason="spot-notice")
+            self._evaluate(run)  # after the checkpoint: the two-minute notice is for saving
         elif save_now:
             self._save(synchronous=False)
         self._keep_loss_bound()
