@@ -88,3 +88,17 @@ def test_a_state_dicts_bytes():
     state = {"model": {"w": torch.zeros(4, 2)}, "optimizer": {"state": {0: {"m": torch.zeros(3, dtype=torch.float64)}},
                                                                "param_groups": [{"lr": 0.1}]}}
     assert tensor_bytes(state, [torch.zeros(1, dtype=torch.int8)]) == 4 * 2 * 4 + 3 * 8 + 1
+
+
+def test_a_synchronous_save_announces_the_write_still_in_flight_too(tmp_path, monkeypatch):
+    # A stop during an asynchronous write: rank 0 first finishes that write (CheckpointManager.save
+    # waits for it), then writes its own; the others' deadline must cover both.
+    from tests.test_trainer_metrics import small_run
+    from training.loop.checkpoint import CheckpointManager
+    from training.loop.trainer import Trainer
+
+    trainer = Trainer(small_run(tmp_path, "--train.max_steps=2"))
+    one = trainer._state_bytes()
+    assert trainer._bytes_to_write() == one
+    monkeypatch.setattr(CheckpointManager, "in_flight", property(lambda self: True))
+    assert trainer._bytes_to_write() == 2 * one

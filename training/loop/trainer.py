@@ -453,6 +453,11 @@ class Trainer:
     def _state_bytes(self) -> int:
         return tensor_bytes(self.module.state_dict(), self.optimizer.state_dict())
 
+    def _bytes_to_write(self) -> int:
+        """What a synchronous save moves before it is done: its state, and first the rest of an
+        asynchronous write still in flight (CheckpointManager.save waits for it), at most as big."""
+        return self._state_bytes() * (2 if self.checkpoints.in_flight else 1)
+
     def _diverged(self) -> Diverged:
         steps = self.checkpoints.steps()
         kept = checkpoint_name(steps[-1]) if steps else "none yet"
@@ -633,7 +638,7 @@ class Trainer:
         if synchronous or not self.checkpoints.async_save:
             # Nobody goes on (or exits) before the checkpoint is on disk, and the others wait for
             # it outside any collective, however long the write takes.
-            self.rank_zero_io.run("write the checkpoint", self._state_bytes, write)
+            self.rank_zero_io.run("write the checkpoint", self._bytes_to_write, write)
         elif self.rank == 0:
             write()
 
