@@ -12,7 +12,6 @@ from training.data.datasets import (
     mask_tokens,
 )
 from training.data.sampler import SampleKey
-from training.data.transforms import eval_transform
 
 
 @pytest.fixture
@@ -35,11 +34,6 @@ def test_image_folder_reads_jpeg_and_png_into_normalized_crops(image_folder):
     again, _ = dataset[SampleKey(4, 1.0, seed=11)]
     other, _ = dataset[SampleKey(4, 1.0, seed=12)]
     assert torch.equal(image, again) and not torch.equal(image, other)  # augmentation follows the seed
-
-
-def test_eval_transform_resizes_the_shorter_side_then_center_crops():
-    image = torch.randint(0, 256, (3, 300, 400), dtype=torch.uint8)
-    assert eval_transform(image, 224).shape == (224, 224, 3)
 
 
 def test_the_device_normalizes_uint8_nhwc_batches_into_channels_last_floats():

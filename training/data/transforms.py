@@ -106,11 +106,6 @@ def apply_crop(image: Tensor, crop: Crop, size: int) -> Tensor:
 # (:func:`normalize_on_device`).
 
 
-def eval_transform(image: Tensor, size: int) -> Tensor:
-    """The central 87.5 % square (224 of 256), resized to ``size``; uint8 HWC."""
-    return apply_crop(image, center_crop(image.shape[1], image.shape[2]), size)
-
-
 def normalize_on_device(images: Tensor) -> Tensor:
     """uint8 [N, H, W, 3] (on the device) as normalized float [N, 3, H, W] in channels_last memory."""
     mean, std = _normalization_constants(images.device)
