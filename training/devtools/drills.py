@@ -23,9 +23,10 @@ INTERVAL = 25  # checkpoint interval of the drills, in steps
 
 
 def trainer_args(work: Path, samples: int, epochs: int = 1) -> list[str]:
-    """A small MLP whose every step logs the sample ids it trained on."""
+    """A small MLP whose every step logs the sample ids it trained on. No validation: the drills
+    are about membership and checkpoints (tests/test_evaluation_runs.py covers evaluation's resumes)."""
     return [
-        "--model.name=mlp", "--model.image_size=16", "--model.num_classes=10",
+        "--model.name=mlp", "--model.image_size=16", "--model.num_classes=10", "--eval.enabled=false",
         f"--data.synthetic_samples={samples}", "--data.num_workers=0",
         f"--train.global_batch_size={GLOBAL_BATCH}", "--train.micro_batch_size=16", f"--train.epochs={epochs}",
         "--train.precision=fp32", "--train.log_every_steps=5", "--optim.lr=0.05",
