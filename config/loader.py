@@ -25,9 +25,11 @@ _PATTERN_HELP = {
 }
 
 
-def load_config(path: str | Path) -> PlatformConfig:
-    """Read and validate ``path``. Raises :class:`ConfigError` listing every mistake."""
-    data = read_yaml_mapping(path, f"pass an existing YAML file, e.g. -c config={DEFAULT_CONFIG}")
+def load_config(path: str | Path, missing_hint: str = f"pass an existing YAML file, e.g. -c config={DEFAULT_CONFIG}",
+                ) -> PlatformConfig:
+    """Read and validate ``path``. Raises :class:`ConfigError` listing every mistake. ``missing_hint``:
+    how to name another file, in the caller's own syntax (the default is CDK's)."""
+    data = read_yaml_mapping(path, missing_hint)
     return parse_config(data, str(path))
 
 

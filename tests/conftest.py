@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +24,23 @@ EXAMPLE = REPO / "config" / "example.yaml"
 # The fixed account whose AZ lookup is pre-seeded in cdk.context.json.
 TEST_ACCOUNT = "123456789012"
 ASSET_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def trainctl_config(tmp_path_factory):
+    """trainctl has no default config (trainctl/config_source.py): the tests that run it name the
+    example through $TRAINCTL_CONFIG, which their subprocesses inherit, and no test reads or
+    writes the settings file of the person running the suite. Tests of the discovery itself
+    remove the variable from their subprocess's environment."""
+    saved = {key: os.environ.get(key) for key in ("TRAINCTL_CONFIG", "XDG_CONFIG_HOME")}
+    os.environ["TRAINCTL_CONFIG"] = str(EXAMPLE.relative_to(REPO))
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("xdg-config"))
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def example_data() -> dict[str, Any]:

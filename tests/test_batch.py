@@ -16,6 +16,7 @@ from moto import mock_aws
 
 from config import parse_config
 from k8s_charts.job_spec import parse_job_spec
+from tests.trainctl_fixtures import one_error
 from tests.conftest import REPO, VARIANTS
 from trainctl.batch import BatchJobs
 from trainctl.errors import UserError
@@ -236,7 +237,7 @@ def test_the_cli_without_a_batch_section_says_so_in_one_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "trainctl", "status", "j", "--backend", "batch"], cwd=REPO,
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2
-    assert result.stderr.strip() == ("error: --backend batch: this platform has no batch section; fix: add "
+    assert one_error(result.stderr) == ("error: --backend batch: this platform has no batch section; fix: add "
                                      "`batch: {node_groups: [...]}` to the config and deploy (see "
                                      "config/batch-example.yaml)")
 

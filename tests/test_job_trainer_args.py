@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from k8s_charts.job_spec import parse_job_spec
+from tests.trainctl_fixtures import one_error
 from tests.conftest import REPO
 from tests.test_trainctl_kube import CONFIG
 from typed_config import ConfigError
@@ -77,9 +78,9 @@ def test_render_refuses_a_typo_in_one_line_and_prints_no_manifest(tmp_path):
     result = subprocess.run([sys.executable, "-m", "trainctl", "render", str(path)], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.strip().splitlines() == [
+    assert one_error(result.stderr) == (
         f"config error: {path}: trainer_args.optim.lrr: unknown key; allowed keys here: betas, "
-        "decay_norms_and_biases, grad_clip_norm, lr, momentum, name, schedule, warmup_steps, weight_decay"]
+        "decay_norms_and_biases, grad_clip_norm, lr, momentum, name, schedule, warmup_steps, weight_decay")
 
 
 def test_the_trainer_config_model_imports_without_torch():

@@ -33,10 +33,7 @@ def jobs_of(server) -> Jobs:
 
 
 def one_line(stderr: str) -> str:
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1, stderr
-    assert "Traceback" not in stderr
-    return lines[0]
+    return trainctl_fixtures.one_error(stderr)
 
 
 # --- 1. No command deletes more than it names ---------------------------------------------------

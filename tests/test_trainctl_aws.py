@@ -15,6 +15,7 @@ from moto import mock_aws
 
 from config import parse_config
 from config.catalog import CATALOG, InstanceType
+from tests.trainctl_fixtures import one_error
 from tests.conftest import REPO, config_variant, example_data
 from trainctl import stage
 from trainctl.kube import CLUSTER_HEADER, TOKEN_PREFIX, eks_token
@@ -135,7 +136,7 @@ def test_no_credentials_is_one_line(tmp_path):
                AWS_EC2_METADATA_DISABLED="true")
     result = trainctl("preflight", env=env)
     assert result.returncode == 2
-    assert result.stderr.strip() == ("error: no AWS credentials found; fix: set AWS_PROFILE, run `aws sso login`, "
+    assert one_error(result.stderr) == ("error: no AWS credentials found; fix: set AWS_PROFILE, run `aws sso login`, "
                                      "or export AWS_ACCESS_KEY_ID")
 
 
@@ -146,7 +147,7 @@ def test_a_region_without_an_endpoint_is_one_line(tmp_path):
            "AWS_EC2_METADATA_DISABLED": "true"}
     result = trainctl("--config", str(bad), "preflight", env=env)
     assert result.returncode == 2
-    assert result.stderr.strip() == ("error: cannot reach AWS in region 'us-nowhere-9'; fix: check `region` in the "
+    assert one_error(result.stderr) == ("error: cannot reach AWS in region 'us-nowhere-9'; fix: check `region` in the "
                                      "config and your network")
 
 
@@ -155,7 +156,7 @@ def test_an_invalid_job_spec_is_one_line(tmp_path):
     job.write_text("name: j\nimage: repo.example.com/t:1\nnode_group: p5\n")
     result = trainctl("render", str(job))
     assert result.returncode == 2
-    assert result.stderr.strip() == (f'config error: {job}: node_group: got "p5" (not a node group of this '
+    assert one_error(result.stderr) == (f'config error: {job}: node_group: got "p5" (not a node group of this '
                                      "platform); allowed: p4d, trn1")
 
 

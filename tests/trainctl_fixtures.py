@@ -28,6 +28,25 @@ def kubeconfig(path, server_url: str, context: str = "lab") -> str:
     return str(path)
 
 
+HEADER = "trainctl: config "
+
+
+def one_error(stderr: str) -> str:
+    """trainctl's stderr for a mistake: at most its header, then one error line that names the
+    config in use as the header does (trainctl/config_source.py). The error, without that name."""
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    header = [line for line in lines if line.startswith(HEADER)]
+    errors = [line for line in lines if not line.startswith(HEADER)]
+    assert len(header) <= 1 and len(errors) == 1, stderr
+    if header:
+        source = header[0].removeprefix(HEADER).split("; ")[0]
+        naming = f" [config {source}]"
+        assert errors[0].endswith(naming), stderr
+        return errors[0].removesuffix(naming)
+    return errors[0]
+
+
 @pytest.fixture
 def server():
     fake = FakeApiServer()

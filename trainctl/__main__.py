@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 import time
 from pathlib import Path
 
-from config import DEFAULT_CONFIG, ConfigError
+from config import ConfigError
+from trainctl.config_source import CONFIG_ENV, ConfigSource
 from training.contract import checkpoint_step
-from typed_config import exit_on_config_error
 
-CONFIG_ENV = "TRAINCTL_CONFIG"
 WATCH_INTERVAL_S = 10
+# Commands that act on an AWS account, and those that act on the jobs of a cluster.
+ACCOUNT_COMMANDS = ("preflight", "stage-data", "checkpoints")
+JOB_COMMANDS = ("submit", "status", "cancel", "logs", "list")
 
 
 def _version() -> str:
@@ -29,12 +30,12 @@ def _version() -> str:
 def _global_options(after_the_command: bool) -> argparse.ArgumentParser:
     """--config, --profile and --context, accepted before or after the subcommand. After it,
     an option left out must not overwrite what was given before it (SUPPRESS: no default)."""
-    defaults = {"config": os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG, "profile": None, "context": None}
+    defaults = {"config": None, "profile": None, "context": None}
     if after_the_command:
         defaults = dict.fromkeys(defaults, argparse.SUPPRESS)
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--config", default=defaults["config"],
-                         help=f"platform config (default ${CONFIG_ENV}, else {DEFAULT_CONFIG})")
+                         help=f"platform config (default: ${CONFIG_ENV}, else the one `trainctl use-config` saved)")
     options.add_argument("--profile", default=defaults["profile"],
                          help="AWS profile (default: the usual credential chain)")
     options.add_argument("--context", default=defaults["context"],
@@ -66,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, text: str) -> argparse.ArgumentParser:
         return commands.add_parser(name, help=text, description=text, parents=globals_after)
 
+    use = commands.add_parser("use-config", help="remember a platform config for later commands (per user)",
+                              description="check PATH and save it as this user's default platform config, "
+                                          f"used when neither --config nor ${CONFIG_ENV} is given")
+    use.add_argument("path", type=Path)
     command("preflight", "check the account can run the config (read-only)")
     stage = command("stage-data", "upload a local dataset folder to the imported prefix, in parallel and resumably")
     stage.add_argument("source", type=Path)
@@ -99,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints = command("checkpoints", "a job's checkpoints, as exported to S3")
     checkpoints.add_argument("name")
     command("list", "the jobs in the jobs namespace")
-    for name in ("submit", "status", "cancel", "logs", "list"):
+    for name in JOB_COMMANDS:
         commands.choices[name].add_argument(
             "--backend", choices=("eks", "batch"), default="eks",
             help="eks (Volcano on the cluster, elastic) or batch (AWS Batch multi-node parallel, fixed size)")
@@ -117,13 +122,25 @@ def main(argv: list[str] | None = None) -> int:
 
         print(shtab.complete(parser, shell=args.shell))
         return 0
+    source: ConfigSource | None = None
     try:
         from config import load_config
+        from trainctl.config_source import find_config, use_config
 
-        config = load_config(args.config)
+        if args.command == "use-config":
+            load_config(args.path, missing_hint="pass the path of an existing platform config")
+            print(f"later trainctl commands use {args.path.resolve()} unless --config or ${CONFIG_ENV} is given "
+                  f"(saved in {use_config(args.path)})")
+            return 0
+        source = find_config(args.config)
+        config = load_config(source.path, missing_hint=f"the config comes from {source.origin}; pass an existing "
+                             "platform config with --config PATH")
+        print(header(args, config, source), file=sys.stderr, flush=True)
         return run(args, config)
     except ConfigError as exc:
-        exit_on_config_error(exc)
+        for line in str(exc).splitlines():
+            print(f"config error: {line}{_naming(source, exc.source)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -137,8 +154,30 @@ def main(argv: list[str] | None = None) -> int:
         error = exc if isinstance(exc, UserError) else from_aws(exc, getattr(args, "region", ""))
         if error is None:
             raise
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error}{_naming(source)}", file=sys.stderr)
         return 2
+
+
+def _naming(source: ConfigSource | None, about: str | None = None) -> str:
+    """Every error names the config it was judged against (unless the line is about that file)."""
+    if source is None or about == source.path:
+        return ""
+    return f" [config {source}]"
+
+
+def header(args, config, source: ConfigSource) -> str:
+    """One line on stderr, before a command acts: which config, and what it acts on."""
+    line = f"trainctl: config {source}"
+    backend = getattr(args, "backend", "eks")
+    if args.command in ACCOUNT_COMMANDS:
+        account = f"AWS account {config.account}" if config.account else "the AWS account of your credentials"
+        return f"{line}; {account}, {config.region}"
+    if backend == "batch":
+        return f"{line}; AWS Batch in {config.region}"
+    cluster = f"kubeconfig context {args.context}" if args.context else (
+        f"cluster {config.name_prefix} in {config.region}")
+    verb = "for " if args.command == "render" else ""
+    return f"{line}; {verb}{cluster}, namespace {config.jobs.namespace}"
 
 
 def _session(args):
