@@ -101,3 +101,49 @@ def test_checkpoints_of_a_job_are_listed_from_s3(monkeypatch, capsys):
     assert [line.split()[0] for line in lines] == ["s3://data/checkpoints/resnet50-imagenet/step-000000500.pt",
                                                  "s3://data/checkpoints/resnet50-imagenet/step-000001000.pt"]
     assert "1.0 MiB" in lines[0]
+
+
+def test_list_and_status_print_json_and_yaml_for_scripts(cli, server):
+    import json
+
+    import yaml
+
+    cli("submit", JOB, "--context", "lab")
+    server.phases = ["Running"]
+    code, out, _ = cli("list", "-o", "json", "--context", "lab")
+    text = cli("list", "--context", "lab")[1].split()
+    assert code == 0 and json.loads(out) == [{"name": "resnet50-imagenet", "phase": text[1]}]
+    code, out, _ = cli("status", "resnet50-imagenet", "--output", "yaml", "--context", "lab")
+    report = yaml.safe_load(out)
+    assert code == 0 and report["name"] == "resnet50-imagenet" and report["phase"] == "Running"
+    assert report["finished"] is False and report["last_step"]["event"] == "step"
+    assert {pod["pod"] for pod in report["pods"]} >= {"resnet50-imagenet-worker-0", "resnet50-imagenet-worker-1"}
+    code, _, err = cli("list", "-o", "wide", "--context", "lab")
+    assert code == 2 and "argument -o/--output: invalid choice: 'wide'" in err
+
+
+def test_submit_dry_run_on_the_client_contacts_no_server_and_prints_the_manifests(cli, server):
+    import yaml
+
+    code, out, err = cli("submit", JOB, "--dry-run", "--context", "lab")
+    assert code == 0, err
+    assert [(obj["kind"], obj["metadata"]["name"]) for obj in yaml.safe_load_all(out)] == [("Job", "resnet50-imagenet")]
+    assert server.requests == [] and server.jobs == {}
+
+
+def test_submit_dry_run_on_the_server_is_admitted_there_and_stores_and_deletes_nothing(cli, server):
+    code, out, err = cli("submit", JOB, "--dry-run=server", "--context", "lab")
+    assert code == 0, err
+    assert "resnet50-imagenet: the API server would accept it (server dry run, nothing created)" in err
+    posts = [path for method, path, *_ in server.requests if method == "POST"]
+    assert posts and all("dryRun=All" in path for path in posts) and server.jobs == {}
+    cli("submit", JOB, "--context", "lab")
+    stored = dict(server.jobs)
+    code, _, err = cli("submit", JOB, "--dry-run=server", "--context", "lab")
+    assert code == 2 and "already exists" in err  # what the real submit would say
+    code, _, err = cli("submit", JOB, "--dry-run=server", "--replace", "--context", "lab")
+    assert code == 0, err
+    assert not [m for m, *_ in server.requests if m == "DELETE"] and server.jobs == stored
+    server.refuse_create = (422, 'admission webhook "validatejob.volcano.sh" denied the request: bad')
+    code, _, err = cli("submit", JOB, "--dry-run=server", "--replace", "--context", "lab")
+    assert code == 2 and "denied the request" in err and server.jobs == stored

@@ -6,6 +6,7 @@ import argparse
 import re
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from config import ConfigError
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "submit":
             sub.add_argument("--replace", action="store_true",
                              help="delete a job of the same name first and wait until it is gone")
+            sub.add_argument("--dry-run", nargs="?", const="client", choices=("client", "server"),
+                             help="change nothing: client checks and renders here; server also asks the API server "
+                                  "to validate and admit the job without storing it (kubectl's --dry-run)")
             sub.add_argument("--wait", action="store_true", help="wait until the job ends; exit 0 if it completed")
             sub.add_argument("--follow", action="store_true", help="then follow rank 0's log until the job ends")
             sub.add_argument("--interval", type=float, default=WATCH_INTERVAL_S, help=argparse.SUPPRESS)
@@ -104,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints = command("checkpoints", "a job's checkpoints, as exported to S3")
     checkpoints.add_argument("name")
     command("list", "the jobs in the jobs namespace")
+    for name in ("status", "list"):
+        commands.choices[name].add_argument("-o", "--output", choices=("text", "json", "yaml"), default="text",
+                                            help="text for people (default), json or yaml for scripts")
     for name in JOB_COMMANDS:
         commands.choices[name].add_argument(
             "--backend", choices=("eks", "batch"), default="eks",
@@ -208,6 +215,8 @@ def run(args, config) -> int:
         return batch(args, config)
     if args.command == "submit":
         objects = render(config, load_job_spec(args.job, config), args.nccl_check)
+        if args.dry_run:
+            return dry_run(args, config, objects)
         jobs = connect(args, config)
         for obj in objects:
             name = jobs.submit(obj, args.replace, on_wait=lambda n: _say(f"waiting until the old {n} is gone"))
@@ -222,6 +231,25 @@ def run(args, config) -> int:
     return watch(args, connect(args, config))
 
 
+def dry_run(args, config, objects: list[dict]) -> int:
+    """``submit --dry-run``: the manifests on stdout, as ``render`` prints them; with ``server``, each
+    one also created with dryRun=All (schema, admission webhooks, quota and the caller's create
+    permission, nothing stored), after the same checks as a real submit."""
+    from trainctl.errors import UserError
+    from trainctl.jobs import render_yaml
+
+    if args.follow or args.wait:
+        raise UserError(f"--dry-run: got {'--follow' if args.follow else '--wait'}",
+                        "allowed with --dry-run: --replace and --nccl-check (nothing runs to wait for)")
+    if args.dry_run == "server":
+        jobs = connect(args, config)
+        for obj in objects:
+            jobs.submit(obj, args.replace, dry_run=True)
+            _say(f"{obj['metadata']['name']}: the API server would accept it (server dry run, nothing created)")
+    print(render_yaml(objects), end="")
+    return 0
+
+
 def batch(args, config) -> int:
     """submit, status, logs, cancel and list on AWS Batch (trainctl.batch)."""
     from k8s_charts.job_spec import load_job_spec
@@ -230,6 +258,9 @@ def batch(args, config) -> int:
 
     if args.command == "submit":
         spec = load_job_spec(args.job, config)  # checked before any AWS call
+        if args.dry_run:
+            raise UserError("--backend batch: got --dry-run", "allowed: --dry-run with the eks backend; "
+                            "`trainctl render JOB` shows what would run")
         if args.nccl_check or args.follow:
             raise UserError(f"--backend batch: got {'--nccl-check' if args.nccl_check else '--follow'}",
                             "allowed with batch: --replace and --wait; read logs with `trainctl logs --backend batch`")
@@ -256,16 +287,29 @@ def batch(args, config) -> int:
         check_name("job name", name)  # before any AWS call
     jobs = BatchJobs(_session(args), config)
     if args.command == "status":
-        print(jobs.status(args.name).format())
+        report = jobs.status(args.name)
+        print(report.format() if args.output == "text" else _dump(asdict(report), args.output))
     elif args.command == "logs":
         print(jobs.log(args.name, args.rank), end="")
     elif args.command == "cancel":
         jobs.cancel(args.name)
         print(f"cancelled {args.name} on AWS Batch; checkpoints stay on the file system and in S3")
     elif args.command == "list":
-        for job_name, state in jobs.list():
-            print(f"{job_name:<40} {state}")
+        listed = [{"name": job_name, "state": state} for job_name, state in jobs.list()]
+        if args.output != "text":
+            print(_dump(listed, args.output))
+        for row in listed if args.output == "text" else ():
+            print(f"{row['name']:<40} {row['state']}")
     return 0
+
+
+def _dump(data, output: str) -> str:
+    """``-o json`` / ``-o yaml``: the same fields as the text, for scripts."""
+    import json
+
+    import yaml
+
+    return json.dumps(data, indent=2, default=str) if output == "json" else yaml.safe_dump(data, sort_keys=False).rstrip()
 
 
 def _say(line: str) -> None:
@@ -387,18 +431,21 @@ def watch(args, jobs) -> int:
     if args.command == "status":
         while True:
             report = status(jobs, args.name)
-            if args.watch and sys.stdout.isatty():
+            if args.watch and sys.stdout.isatty() and args.output == "text":
                 print("\033[H\033[J", end="")  # clear the screen, as `watch` does
-            print(report.format(), flush=True)
+            print(report.format() if args.output == "text" else _dump(report.as_dict(), args.output), flush=True)
             if not args.watch or report.finished:
                 return 0
             time.sleep(args.interval)
             if not sys.stdout.isatty():
                 print()
     elif args.command == "list":
-        for job in jobs.list():
-            state = (job.get("status") or {}).get("state", {}).get("phase", "Pending")
-            print(f"{job['metadata']['name']:<40} {state}")
+        listed = [{"name": job["metadata"]["name"], "phase": (job.get("status") or {}).get("state", {}).get(
+            "phase", "Pending")} for job in jobs.list()]
+        if args.output != "text":
+            print(_dump(listed, args.output))
+        for row in listed if args.output == "text" else ():
+            print(f"{row['name']:<40} {row['phase']}")
     elif args.command == "logs":
         options = {"previous": args.previous, "since_s": args.since}
         pods = sorted(p.metadata.name for p in jobs.pods(args.name)) if args.all else [

@@ -85,19 +85,25 @@ class Jobs:
         return self._call(self._get, self.custom.get_namespaced_custom_object, GROUP, VERSION, self.namespace,
                           PLURAL, name)
 
-    def submit(self, job: dict, replace: bool = False, on_wait=None) -> str:
+    def submit(self, job: dict, replace: bool = False, on_wait=None, dry_run: bool = False) -> str:
         """Create the job; with ``replace``, delete a job of the same name first, but only once the
         API server has accepted the new one in a dry run, and say exactly what state things are in
-        if the create still fails after the delete."""
+        if the create still fails after the delete. ``dry_run``: every check, and the create as a
+        server-side dry run, deleting nothing."""
         name = check_name("job name", job["metadata"]["name"])
         self.check_scheduling(job)
         if self.get(name) is None:
-            self._create(job)
+            if dry_run:
+                self.check_create(job, probe=False)
+            else:
+                self._create(job)
             return name
         if not replace:
             raise UserError(f"job {name!r} already exists in {self.namespace}",
                             "choose another name, or pass --replace to delete it first (checkpoints are kept)")
         self.check_create(job)
+        if dry_run:
+            return name
         self.cancel(name)
         self.wait_gone(name, on_wait)
         try:
@@ -108,13 +114,15 @@ class Jobs:
                             "checkpoints, which were kept") from None
         return name
 
-    def check_create(self, job: dict) -> None:
+    def check_create(self, job: dict, probe: bool = True) -> None:
         """Would the API server create ``job``? A server-side dry run (dryRun=All: nothing is
-        stored) under a name no object has runs the schema, the admission webhooks and the
-        caller's create permission. Volcano's webhooks take dry runs: every one is declared
-        ``sideEffects: NoneOnDryRun`` (installer/helm/chart/volcano/templates/webhooks.yaml, v1.15.1)."""
-        probe = {**job, "metadata": {**job["metadata"], "name": f"{job['metadata']['name'][:40]}-replace-check"}}
-        self._call(self.custom.create_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL, probe,
+        stored) runs the schema, the admission webhooks and the caller's create permission; with
+        ``probe``, under a name no object has (the job's own name is taken while it is replaced).
+        Volcano's webhooks take dry runs: every one is declared ``sideEffects: NoneOnDryRun``
+        (installer/helm/chart/volcano/templates/webhooks.yaml, v1.15.1)."""
+        if probe:
+            job = {**job, "metadata": {**job["metadata"], "name": f"{job['metadata']['name'][:40]}-replace-check"}}
+        self._call(self.custom.create_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL, job,
                    dry_run="All")
 
     def _create(self, job: dict) -> None:
@@ -199,6 +207,13 @@ class JobStatus:
     @property
     def finished(self) -> bool:
         return self.phase in FINISHED_PHASES
+
+    def as_dict(self) -> dict:
+        """For ``-o json|yaml``: the text's fields, the pods as mappings."""
+        return {"name": self.name, "phase": self.phase, "finished": self.finished,
+                "pods": [dict(zip(("pod", "node", "phase", "restarts"), row, strict=True)) for row in self.pods],
+                "rendezvous": self.rendezvous, "last_step": self.last_step, "checkpoint": self.checkpoint,
+                "waiting": self.waiting}
 
     def format(self) -> str:
         lines = [f"job {self.name}: {self.phase}", "pods:"]
