@@ -74,6 +74,7 @@ def elastic_run(tmp_path_factory, request):
         record["steps_before_term"] = trained_steps(work)
         record["terminated_at"] = c.terminate()
         record["c_exit"] = c.wait(timeout=60)
+        record["c_output"] = c.output()
         record["a_exit"] = a.wait(timeout=240)
         record["a_output"] = a.output()
     finally:
@@ -109,6 +110,21 @@ def test_the_job_finishes_through_a_kill_a_join_and_a_sigterm(elastic_run):
     # 2 nodes, the survivor alone, 2 again with the newcomer, alone after the SIGTERM.
     assert worlds[0] == 2 and worlds[-1] == 1
     assert [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]] == [2, 1, 2, 1]
+
+
+def node_ranks(output: str) -> list[dict]:
+    return [json.loads(line) for line in output.splitlines() if line.startswith('{"event": "node_ranks"')]
+
+
+def test_each_agent_says_which_ranks_its_node_holds_after_every_round(elastic_run):
+    """`trainctl logs --rank` reads these lines: a pod's index is not its rank once the job regrouped."""
+    a, c = node_ranks(elastic_run["a_output"]), node_ranks(elastic_run["c_output"])
+    assert a[0]["group_world_size"] == 2 and a[-1] == {**a[-1], "group_world_size": 1, "global_ranks": [0]}
+    shared = [e for e in a if e["time"] > elastic_run["killed_at"] and e["group_world_size"] == 2]
+    assert c and shared and c[0]["group_world_size"] == 2
+    # The round C joined: the two nodes hold ranks 0 and 1 between them, each exactly once.
+    assert sorted(shared[0]["global_ranks"] + c[0]["global_ranks"]) == [0, 1]
+    assert {shared[0]["group_rank"], c[0]["group_rank"]} == {0, 1}
 
 
 def test_the_survivor_resumes_from_the_newest_checkpoint(elastic_run):

@@ -147,3 +147,28 @@ def test_submit_dry_run_on_the_server_is_admitted_there_and_stores_and_deletes_n
     server.refuse_create = (422, 'admission webhook "validatejob.volcano.sh" denied the request: bad')
     code, _, err = cli("submit", JOB, "--dry-run=server", "--replace", "--context", "lab")
     assert code == 2 and "denied the request" in err and server.jobs == stored
+
+
+def test_logs_rank_is_the_pod_holding_that_rank_after_a_regroup_and_pod_is_the_index(cli, server):
+    import json
+
+    def ranks_line(at: float, ranks: range) -> str:
+        return json.dumps({"event": "node_ranks", "time": at, "group_rank": ranks[0] // 8, "group_world_size": 2,
+                           "global_ranks": list(ranks)})
+
+    cli("submit", JOB, "--context", "lab")
+    # worker-1 joined first after a regroup at t=50: it holds ranks 0-7 now, worker-0 holds 8-15.
+    server.pod_logs = {
+        "resnet50-imagenet-worker-0": "\n".join([ranks_line(10, range(8)), "pod 0 text", ranks_line(50, range(8, 16))]),
+        "resnet50-imagenet-worker-1": "\n".join([ranks_line(10, range(8, 16)), "pod 1 text", ranks_line(50, range(8))]),
+    }
+    for args, pod_text in ((["--rank", "0"], "pod 1 text"), ([], "pod 1 text"), (["--rank", "9"], "pod 0 text"),
+                           (["--pod", "0"], "pod 0 text"), (["--pod", "1"], "pod 1 text")):
+        code, out, err = cli("logs", "resnet50-imagenet", *args, "--context", "lab")
+        assert code == 0 and pod_text in out, (args, err)
+    code, _, err = cli("logs", "resnet50-imagenet", "--rank", "16", "--context", "lab")
+    assert code == 2 and "--rank: got 16, which no pod of resnet50-imagenet holds now" in err
+    code, _, err = cli("logs", "resnet50-imagenet", "--pod", "2", "--context", "lab")
+    assert code == 2 and "allowed: an index from 0 to 1" in err
+    code, _, err = cli("logs", "resnet50-imagenet", "--all", "--rank", "1", "--context", "lab")  # not ignored
+    assert code == 2 and "argument --rank: not allowed with argument --all" in err

@@ -14,13 +14,17 @@ from config import parse_config
 from k8s_charts.job_spec import load_job_spec
 from tests.conftest import REPO, example_data
 from trainctl.errors import UserError
-from trainctl.jobs import Jobs, pod_for_rank, render, render_yaml, status
+from trainctl.jobs import Jobs, pod_at_index, pod_for_rank, render, render_yaml, status
 
 CONFIG = parse_config(example_data())
 SPEC = load_job_spec(REPO / "k8s_charts" / "examples" / "resnet50-p4d.yaml", CONFIG)
 JOBS_PATH = "/apis/batch.volcano.sh/v1alpha1/namespaces/training/jobs"
+WORKER_LOG = "worker log\n" + json.dumps({"event": "node_ranks", "time": 9.5, "group_rank": 1,
+                                          "group_world_size": 2, "global_ranks": list(range(8, 16))}) + "\n"
 RANK0_LOG = "\n".join([
     "I1122 torchrun agent starting",
+    json.dumps({"event": "node_ranks", "time": 9.5, "group_rank": 0, "group_world_size": 2,
+                "global_ranks": list(range(8))}),
     json.dumps({"event": "rendezvous", "time": 10.0, "world_size": 16, "restart_count": 1, "run_id": "x",
                 "attempt": "a1b2c3d4e5f6", "global_batch": 2048}),
     json.dumps({"event": "resume", "time": 10.5, "step": 500, "epoch": 0, "offset": 1024000,
@@ -57,6 +61,7 @@ class FakeApiServer:
         self.events: list[dict] = []
         self.pods_alive = True
         self.phases: list[str] = []  # each GET of a job moves it to the next phase
+        self.pod_logs: dict[str, str] = {}  # a pod's log instead of RANK0_LOG / WORKER_LOG
         self.refuse_create: tuple[int, str] | None = None  # (status, message) for every create
         server = self
 
@@ -133,7 +138,8 @@ class FakeApiServer:
                         pod(i) for i in range(2)] if server.pods_alive else []})
                 match = re.fullmatch(r"/api/v1/namespaces/training/pods/([\w-]+)/log", path)
                 if match:
-                    text = RANK0_LOG if match.group(1).endswith("-0") else "worker log\n"
+                    text = server.pod_logs.get(match.group(1)) or (RANK0_LOG if match.group(1).endswith("-0") else
+                                                                  WORKER_LOG)
                     return self._send(200, text.encode(), "text/plain")
                 return self._send(404, {"kind": "Status", "code": 404})
 
@@ -207,10 +213,13 @@ def test_list_cancel_and_logs_by_rank(api):
     server, jobs = api
     jobs.submit(render(CONFIG, SPEC)[0])
     assert [j["metadata"]["name"] for j in jobs.list()] == ["resnet50-imagenet"]
-    assert pod_for_rank(jobs, "resnet50-imagenet", 1) == "resnet50-imagenet-worker-1"
-    assert jobs.log("resnet50-imagenet-worker-1") == "worker log\n"
-    with pytest.raises(UserError, match="pick a rank from 0 to 1"):
-        pod_for_rank(jobs, "resnet50-imagenet", 5)
+    assert pod_for_rank(jobs, "resnet50-imagenet", 9) == "resnet50-imagenet-worker-1"  # it holds ranks 8-15
+    assert pod_at_index(jobs, "resnet50-imagenet", 1) == "resnet50-imagenet-worker-1"
+    assert jobs.log("resnet50-imagenet-worker-1") == WORKER_LOG
+    with pytest.raises(UserError, match="which no pod of resnet50-imagenet holds now"):
+        pod_for_rank(jobs, "resnet50-imagenet", 16)
+    with pytest.raises(UserError, match="allowed: an index from 0 to 1"):
+        pod_at_index(jobs, "resnet50-imagenet", 5)
     jobs.cancel("resnet50-imagenet")
     assert jobs.list() == []
     with pytest.raises(UserError, match="no job"):

@@ -100,8 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("--yes", action="store_true", help="do not ask (scripts)")
     logs = command("logs", "a worker's log")
     logs.add_argument("name")
-    logs.add_argument("--rank", type=int, default=0)
-    logs.add_argument("--all", action="store_true", help="every worker's log, each line prefixed with its pod")
+    which = logs.add_mutually_exclusive_group()
+    which.add_argument("--rank", type=int, help="the pod whose workers hold this global rank now (default 0)")
+    which.add_argument("--pod", type=int, metavar="INDEX", help="the pod <job>-worker-INDEX, whatever its rank")
+    which.add_argument("--all", action="store_true", help="every worker's log, each line prefixed with its pod")
     logs.add_argument("--follow", "-f", action="store_true")
     logs.add_argument("--previous", action="store_true", help="the container's previous run (after a restart)")
     logs.add_argument("--since", type=_duration_s, help="only the last 90s, 10m, 2h, 1d")
@@ -408,15 +410,20 @@ def wait(jobs, name: str, interval_s: float = WATCH_INTERVAL_S) -> int:
 
 
 def follow(jobs, name: str, interval_s: float = WATCH_INTERVAL_S) -> int:
-    """Rank 0's log from when its pod runs until the job ends (again after each restart of the pod)."""
-    from trainctl.jobs import status
+    """Rank 0's log from when its pod runs until the job ends (again after each restart or regroup:
+    rank 0 may then be on another pod)."""
+    from trainctl.errors import UserError
+    from trainctl.jobs import pod_for_rank, status
 
-    pod = f"{name}-worker-0"
     while True:
         report = status(jobs, name)
         if report.finished:
             _say(f"{name}: {report.phase}")
             return 0 if report.phase == "Completed" else 1
+        try:
+            pod = pod_for_rank(jobs, name, 0)
+        except UserError:  # no group formed yet
+            pod = None
         if any(row[0] == pod and row[2] == "Running" for row in report.pods):
             for chunk in jobs.log(pod, follow=True).stream():
                 sys.stdout.write(chunk.decode(errors="replace"))
@@ -426,7 +433,7 @@ def follow(jobs, name: str, interval_s: float = WATCH_INTERVAL_S) -> int:
 
 
 def watch(args, jobs) -> int:
-    from trainctl.jobs import pod_for_rank, status
+    from trainctl.jobs import pod_at_index, pod_for_rank, status
 
     if args.command == "status":
         while True:
@@ -448,8 +455,12 @@ def watch(args, jobs) -> int:
             print(f"{row['name']:<40} {row['phase']}")
     elif args.command == "logs":
         options = {"previous": args.previous, "since_s": args.since}
-        pods = sorted(p.metadata.name for p in jobs.pods(args.name)) if args.all else [
-            pod_for_rank(jobs, args.name, args.rank)]
+        if args.all:
+            pods = sorted(p.metadata.name for p in jobs.pods(args.name))
+        elif args.pod is not None:
+            pods = [pod_at_index(jobs, args.name, args.pod)]
+        else:
+            pods = [pod_for_rank(jobs, args.name, args.rank or 0)]
         if args.all and not pods:
             from trainctl.errors import UserError
 
@@ -457,7 +468,7 @@ def watch(args, jobs) -> int:
         if args.all and args.follow:
             from trainctl.errors import UserError
 
-            raise UserError("logs: got --all with --follow", "allowed: --follow with one --rank")
+            raise UserError("logs: got --all with --follow", "allowed: --follow with one --rank or --pod")
         for pod in pods:
             if args.follow:
                 for chunk in jobs.log(pod, follow=True, **options).stream():

@@ -12,6 +12,7 @@ from config import PlatformConfig
 from config.catalog import Accelerator
 from k8s_charts.job_spec import JobSpec
 from trainctl.errors import UserError, check_name, from_kube
+from training.contract import NODE_RANKS_EVENT
 
 GROUP, VERSION, PLURAL = "batch.volcano.sh", "v1alpha1", "jobs"
 QUEUES = ("scheduling.volcano.sh", "v1beta1", "queues")
@@ -269,9 +270,26 @@ def metrics_events(log_text: str) -> list[dict]:
 
 
 def pod_for_rank(jobs: Jobs, name: str, rank: int) -> str:
-    """The pod whose worker index is ``rank`` (pods are <job>-worker-<index>)."""
+    """The pod whose workers hold global rank ``rank`` now: the newest of its agent's
+    ``node_ranks`` lines (training/launcher/agent.py) that names it. A pod's index is not its
+    rank: a regroup hands places out in the order nodes join."""
+    claims = []
+    for pod in sorted(p.metadata.name for p in jobs.pods(name)):
+        rounds = [e for e in metrics_events(jobs.log(pod)) if e["event"] == NODE_RANKS_EVENT]
+        if rounds and rank in rounds[-1]["global_ranks"]:
+            claims.append((rounds[-1]["time"], pod))
+    if not claims:
+        raise UserError(f"--rank: got {rank}, which no pod of {name} holds now",
+                        f"allowed: a rank below the world size in `trainctl status {name}` once the job has formed "
+                        "its group; `--pod INDEX` picks a pod by its index instead")
+    return max(claims)[1]
+
+
+def pod_at_index(jobs: Jobs, name: str, index: int) -> str:
+    """The pod <job>-worker-<index>, whatever rank it holds."""
     pods = sorted(p.metadata.name for p in jobs.pods(name))
-    wanted = f"{name}-worker-{rank}"
+    wanted = f"{name}-worker-{index}"
     if wanted not in pods:
-        raise UserError(f"no pod {wanted!r}", f"pick a rank from 0 to {len(pods) - 1}" if pods else "the job has no pods yet")
+        raise UserError(f"--pod: got {index}, and there is no pod {wanted!r}",
+                        f"allowed: an index from 0 to {len(pods) - 1}" if pods else "the job has no pods yet")
     return wanted

@@ -94,6 +94,10 @@ REGROUP_SIGNAL = 10  # SIGUSR1 on Linux
 WRITING_MARKER = "writing"
 # "0": on an admission, stop and restart the workers as torchrun does, instead of regrouping in place.
 REGROUP_IN_PLACE_ENV = "PLATFORM_REGROUP_IN_PLACE"
+# The JSON line each node's agent prints to its log when a rendezvous gives it its place: the
+# global ranks its workers hold. A pod's index in its job is not its rank once the job regrouped;
+# `trainctl logs --rank` finds the pod that holds a rank from these lines.
+NODE_RANKS_EVENT = "node_ranks"
 
 
 

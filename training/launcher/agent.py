@@ -33,7 +33,8 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from training.contract import (
-    CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, FINAL_EXITS, REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL, WRITING_MARKER,
+    CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, FINAL_EXITS, NODE_RANKS_EVENT, REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL,
+    WRITING_MARKER,
 )
 
 log = logging.getLogger("training.launcher")
@@ -54,6 +55,16 @@ class PlatformAgent(LocalElasticAgent):
         self._control_dir = Path(control) if control else None
         self._generation = 0
         self._in_place = self._control_dir is not None and os.environ.get(REGROUP_IN_PLACE_ENV, "1") != "0"
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """torch's rendezvous, then one JSON line saying which global ranks this node now holds
+        (torch logs them only as text, at INFO: SimpleElasticAgent._rendezvous, torch 2.13)."""
+        super()._rendezvous(worker_group)
+        print(json.dumps({
+            "event": NODE_RANKS_EVENT, "time": time.time(), "group_rank": worker_group.group_rank,
+            "group_world_size": worker_group.group_world_size,
+            "global_ranks": sorted(worker.global_rank for worker in worker_group.workers),
+        }), flush=True)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._checkpoint_at_start = self._newest_checkpoint()
