@@ -19,7 +19,7 @@ from config.catalog import Accelerator
 from config.model import K8S_NAME_HELP, K8S_NAME_PATTERN, K8sName
 from training.config import check_overrides
 from training.contract import FSX_MOUNT, PLATFORM_TUNING, checkpoint_dir, staging_dir
-from typed_config import ConfigError, FieldProblem, StrictModel, read_yaml_mapping, validate
+from typed_config import ConfigError, FieldProblem, StrictModel, raise_problems, read_yaml_mapping, validate
 
 # GPU jobs: a peer that stops answering fails the step after this long (the post-warm-up
 # process-group timeout; NCCL's watchdog then aborts the communicator).
@@ -68,41 +68,50 @@ class JobSpec(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo):
+        """Every rule is checked before any is reported: one run lists all of a spec's mistakes."""
+        problems: list[FieldProblem] = []
         if not _IMAGE.match(self.image) or self.image.endswith(":latest"):
-            raise FieldProblem("image", self.image, "an image pinned by tag or digest, its repository in lowercase, "
-                               "e.g. 123456789012.dkr.ecr.us-west-2.amazonaws.com/trainer:gpu-0.1.0 (not :latest)")
+            problems.append(FieldProblem(
+                "image", self.image, "an image pinned by tag or digest, its repository in lowercase, "
+                "e.g. 123456789012.dkr.ecr.us-west-2.amazonaws.com/trainer:gpu-0.1.0 (not :latest)"))
         if self.priority_class and self.priority_class.startswith("system-"):
-            raise FieldProblem("priority_class", self.priority_class, "the platform's PriorityClass or one of yours",
-                               "system- classes are reserved for the cluster's own critical pods")
+            problems.append(FieldProblem("priority_class", self.priority_class, "the platform's PriorityClass or one "
+                                         "of yours", "system- classes are reserved for the cluster's own critical pods"))
         if self.min_nodes > self.max_nodes:
-            raise FieldProblem("min_nodes", self.min_nodes, f"at most max_nodes ({self.max_nodes})")
+            problems.append(FieldProblem("min_nodes", self.min_nodes, f"at most max_nodes ({self.max_nodes})"))
         for field in ("dataset_path", "checkpoint_path"):
             value = getattr(self, field)
             if value is not None and not (value == FSX_MOUNT or value.startswith(f"{FSX_MOUNT}/")) or (
                 value and ".." in value.split("/")
             ):
-                raise FieldProblem(field, value, f"an absolute path on the shared file system, under {FSX_MOUNT}/")
+                problems.append(FieldProblem(field, value, f"an absolute path on the shared file system, under "
+                                             f"{FSX_MOUNT}/"))
         config: PlatformConfig | None = (info.context or {}).get("platform")
         if config is not None:
-            self._check_against(config)
+            problems += self._problems_against(config)
+        raise_problems(problems)
         return self
 
-    def _check_against(self, config: PlatformConfig) -> None:
+    def _problems_against(self, config: PlatformConfig) -> list[FieldProblem]:
         groups = {g.name: g for g in config.accelerated_node_groups}
         if self.node_group not in groups:
-            raise FieldProblem("node_group", self.node_group, ", ".join(groups), "not a node group of this platform")
+            return [FieldProblem("node_group", self.node_group, ", ".join(groups), "not a node group of this platform")]
         group = groups[self.node_group]
         instance = group.instance
+        problems = []
         if self.max_nodes > group.max_size:
-            raise FieldProblem("max_nodes", self.max_nodes, f"at most {group.max_size}, the node group's max_size")
+            problems.append(FieldProblem("max_nodes", self.max_nodes, f"at most {group.max_size}, the node group's "
+                                         "max_size"))
         if self.accelerators_per_node is not None and self.accelerators_per_node > instance.accelerator_count:
-            raise FieldProblem("accelerators_per_node", self.accelerators_per_node,
-                               f"1 to {instance.accelerator_count}",
-                               f"{instance.name} has {instance.accelerator_count} {instance.accelerator_model}")
+            problems.append(FieldProblem("accelerators_per_node", self.accelerators_per_node,
+                                         f"1 to {instance.accelerator_count}",
+                                         f"{instance.name} has {instance.accelerator_count} {instance.accelerator_model}"))
         if self.efa and not instance.supports_efa:
-            raise FieldProblem("efa", True, "false or null", f"{instance.name} has no EFA interfaces")
-        if self.efa and not group.efa_enabled:
-            raise FieldProblem("efa", True, "false or null", f"node group {group.name} is configured without EFA")
+            problems.append(FieldProblem("efa", True, "false or null", f"{instance.name} has no EFA interfaces"))
+        elif self.efa and not group.efa_enabled:
+            problems.append(FieldProblem("efa", True, "false or null",
+                                         f"node group {group.name} is configured without EFA"))
+        return problems
 
     # --- derived from the catalog ------------------------------------------------------------
 
@@ -172,10 +181,24 @@ def _check_trainer_args(spec: JobSpec, config: PlatformConfig, source: str) -> N
 
 
 def parse_job_spec(data: dict[str, Any], config: PlatformConfig, source: str = "job") -> JobSpec:
-    """Validate a job spec mapping against the platform config. Raises ConfigError."""
-    spec = validate(JobSpec, data, source, _PATTERN_HELP, context={"platform": config})
+    """Validate a job spec mapping against the platform config. Raises ConfigError listing every
+    mistake: the spec's own, and its trainer_args' even when the rest of the spec is wrong."""
+    try:
+        spec = validate(JobSpec, data, source, _PATTERN_HELP, context={"platform": config})
+    except ConfigError as exc:
+        raise ConfigError(source, exc.problems + _trainer_args_alone(data, exc.problems)) from None
     _check_trainer_args(spec, config, source)
     return spec
+
+
+def _trainer_args_alone(data: dict[str, Any], problems: list[str]) -> list[str]:
+    """The problems of a spec's trainer_args judged by themselves (key by key, as with a
+    trainer_config file), for a spec whose other mistakes keep it from being checked whole."""
+    args = data.get("trainer_args")
+    if not isinstance(args, dict) or not args or any(p.startswith("trainer_args") for p in problems):
+        return []
+    flags = [f"--{key}={_flag_value(value)}" for key, value in args.items() if key not in _OWNED_TRAINER_ARGS]
+    return [f"trainer_args.{line}" for line in check_overrides(flags, partial=True)]
 
 
 def load_job_spec(path: str | Path, config: PlatformConfig) -> JobSpec:

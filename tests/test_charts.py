@@ -376,6 +376,19 @@ def test_each_bad_job_spec_is_one_line(changes, expected):
     assert caught.value.problems[0].startswith(expected), caught.value.problems[0]
 
 
+def test_a_spec_with_several_mistakes_reports_them_all_in_one_run():
+    """Not one mistake per run (issue 36): the spec's own rules, those against the platform, and
+    the trainer's arguments, even when the rest of the spec is wrong."""
+    with pytest.raises(ConfigError) as caught:
+        parse_job_spec({**BASE, "image": "trainer:latest", "min_nodes": 10, "max_nodes": 9,
+                        "accelerators_per_node": 16, "trainer_args": {"optim.lrr": 0.1}}, CONFIG)
+    assert [p.split(":")[0] for p in caught.value.problems] == [
+        "image", "min_nodes", "max_nodes", "accelerators_per_node", "trainer_args.optim.lrr"]
+    with pytest.raises(ConfigError) as caught:  # a field error too: pydantic then skips the rules
+        parse_job_spec({**BASE, "name": "Resnet_50", "max_nodes": "four", "trainer_args": {"train.epochs": -1}}, CONFIG)
+    assert [p.split(":")[0] for p in caught.value.problems] == ["name", "max_nodes", "trainer_args.train.epochs"]
+
+
 def test_efa_on_a_type_without_it_is_one_line():
     with pytest.raises(ConfigError) as caught:
         parse_job_spec({**BASE, "node_group": "g", "efa": True}, config_with("p3.8xlarge"))

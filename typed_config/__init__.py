@@ -30,6 +30,23 @@ class FieldProblem(ValueError):
         super().__init__(reason or f"{value!r} is not allowed")
 
 
+class FieldProblems(ValueError):
+    """Several rules broken at once, found by one validator: each becomes its own line, so a user
+    fixes them all in one pass instead of one per run."""
+
+    def __init__(self, problems: list[FieldProblem]):
+        self.problems = problems
+        super().__init__("; ".join(str(p) for p in problems))
+
+
+def raise_problems(problems: list[FieldProblem]) -> None:
+    """For a model validator that checks every rule before it raises: nothing, one or several."""
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise FieldProblems(problems)
+
+
 class StrictModel(BaseModel):
     """Unknown keys are errors, numbers are finite, and a validated config cannot change under its users."""
 
@@ -102,13 +119,25 @@ def format_errors(exc: ValidationError, root: type[BaseModel], pattern_help: dic
     """One line per mistake. ``keep(path, loc)`` can drop some: ``path`` is the dotted path of the
     field at fault, ``loc`` the model that found it (``()``: a rule of the root model)."""
     lines: list[str] = []
-    for err in exc.errors():
+    for err in _one_problem_each(exc.errors()):
         if keep is not None and not keep(*_where(err)):
             continue
         line = _format_one(err, root, pattern_help)
         if line not in lines:
             lines.append(line)
     return lines
+
+
+def _one_problem_each(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """pydantic's errors, a FieldProblems error split into one error per FieldProblem."""
+    split = []
+    for err in errors:
+        problem = (err.get("ctx") or {}).get("error")
+        if isinstance(problem, FieldProblems):
+            split += [{**err, "ctx": {**err["ctx"], "error": one}} for one in problem.problems]
+        else:
+            split.append(err)
+    return split
 
 
 def _where(err: dict[str, Any]) -> tuple[str, tuple]:
