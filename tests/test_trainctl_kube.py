@@ -14,10 +14,11 @@ from config import parse_config
 from k8s_charts.job_spec import load_job_spec
 from tests.conftest import REPO, example_data
 from trainctl.errors import UserError
-from trainctl.jobs import Jobs, pod_at_index, pod_for_rank, render, render_yaml, status
+from trainctl.jobs import Jobs, pod_at_index, pod_for_rank, render, render_text, status
 
 CONFIG = parse_config(example_data())
-SPEC = load_job_spec(REPO / "k8s_charts" / "examples" / "resnet50-p4d.yaml", CONFIG)
+SPEC_PATH = REPO / "k8s_charts" / "examples" / "resnet50-p4d.yaml"
+SPEC = load_job_spec(SPEC_PATH, CONFIG)
 JOBS_PATH = "/apis/batch.volcano.sh/v1alpha1/namespaces/training/jobs"
 WORKER_LOG = "worker log\n" + json.dumps({"event": "node_ranks", "time": 9.5, "group_rank": 1,
                                           "group_world_size": 2, "global_ranks": list(range(8, 16))}) + "\n"
@@ -238,4 +239,13 @@ def test_a_missing_access_entry_is_one_line(api):
 
 
 def test_render_golden(snapshot):
-    assert render_yaml(render(CONFIG, SPEC)) == snapshot
+    assert render_text(CONFIG, SPEC) == snapshot
+
+
+def test_render_prints_what_make_synth_writes_into_dist_byte_for_byte(tmp_path):
+    """`trainctl render` and dist/ used to differ in YAML formatting (issue 36): a user diffing the
+    two saw changes that were not there."""
+    from k8s_charts.__main__ import main as render_dist
+
+    assert render_dist(["--config", "config/example.yaml", "--job", str(SPEC_PATH), "--out", str(tmp_path)]) == 0
+    assert render_text(CONFIG, SPEC) == (tmp_path / f"{SPEC.name}.yaml").read_text()

@@ -208,17 +208,18 @@ def run(args, config) -> int:
     if args.command == "checkpoints":
         return list_checkpoints(args, config)
     from k8s_charts.job_spec import load_job_spec
-    from trainctl.jobs import render, render_yaml
+    from trainctl.jobs import manifests_of, render_text
 
     if args.command == "render":
-        print(render_yaml(render(config, load_job_spec(args.job, config), args.nccl_check)), end="")
+        print(render_text(config, load_job_spec(args.job, config), args.nccl_check), end="")
         return 0
     if getattr(args, "backend", "eks") == "batch":
         return batch(args, config)
     if args.command == "submit":
-        objects = render(config, load_job_spec(args.job, config), args.nccl_check)
+        text = render_text(config, load_job_spec(args.job, config), args.nccl_check)
+        objects = manifests_of(text)
         if args.dry_run:
-            return dry_run(args, config, objects)
+            return dry_run(args, config, objects, text)
         jobs = connect(args, config)
         for obj in objects:
             name = jobs.submit(obj, args.replace, on_wait=lambda n: _say(f"waiting until the old {n} is gone"))
@@ -233,12 +234,11 @@ def run(args, config) -> int:
     return watch(args, connect(args, config))
 
 
-def dry_run(args, config, objects: list[dict]) -> int:
+def dry_run(args, config, objects: list[dict], text: str) -> int:
     """``submit --dry-run``: the manifests on stdout, as ``render`` prints them; with ``server``, each
     one also created with dryRun=All (schema, admission webhooks, quota and the caller's create
     permission, nothing stored), after the same checks as a real submit."""
     from trainctl.errors import UserError
-    from trainctl.jobs import render_yaml
 
     if args.follow or args.wait:
         raise UserError(f"--dry-run: got {'--follow' if args.follow else '--wait'}",
@@ -248,7 +248,7 @@ def dry_run(args, config, objects: list[dict]) -> int:
         for obj in objects:
             jobs.submit(obj, args.replace, dry_run=True)
             _say(f"{obj['metadata']['name']}: the API server would accept it (server dry run, nothing created)")
-    print(render_yaml(objects), end="")
+    print(text, end="")
     return 0
 
 

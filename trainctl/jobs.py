@@ -21,9 +21,10 @@ JOB_LABEL = "volcano.sh/job-name"
 FINISHED_PHASES = ("Completed", "Failed", "Terminated", "Aborted")
 
 
-def render(config: PlatformConfig, spec: JobSpec, nccl_check: bool = False) -> list[dict]:
-    """The job's manifests. cdk8s runs on Node (found or named by k8s_charts.node); the other
-    commands don't need it."""
+def render_text(config: PlatformConfig, spec: JobSpec, nccl_check: bool = False) -> str:
+    """The job's manifests as YAML, written by cdk8s as ``make synth`` writes them into dist/
+    (App.synth_yaml): what `trainctl render` prints is byte for byte what dist/ holds. cdk8s runs
+    on Node (found or named by k8s_charts.node); the other commands don't need it."""
     if nccl_check and spec.group(config).instance.accelerator is not Accelerator.NVIDIA:
         raise UserError(f"--nccl-check: node group {spec.node_group} is Trainium, whose collectives run through the "
                         "Neuron runtime, not NCCL; allowed: a job on a GPU node group")
@@ -33,16 +34,20 @@ def render(config: PlatformConfig, spec: JobSpec, nccl_check: bool = False) -> l
     from cdk8s import App
 
     from k8s_charts.job_charts import NcclCheckChart, TrainingJobChart
-    from k8s_charts.render import manifests
 
     app = App()
     chart = NcclCheckChart if nccl_check else TrainingJobChart
     chart(app, "job", config, spec)
-    return manifests(app)["job"]
+    return app.synth_yaml()
 
 
-def render_yaml(objects: list[dict]) -> str:
-    return yaml.safe_dump_all(objects, sort_keys=False)
+def manifests_of(text: str) -> list[dict]:
+    return [obj for obj in yaml.safe_load_all(text) if obj]
+
+
+def render(config: PlatformConfig, spec: JobSpec, nccl_check: bool = False) -> list[dict]:
+    """The job's manifests, as objects."""
+    return manifests_of(render_text(config, spec, nccl_check))
 
 
 class Jobs:
