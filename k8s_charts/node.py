@@ -34,8 +34,9 @@ def node_major(executable: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def select_node(pinned: Path | None = None) -> str:
-    """Point jsii at a supported Node (``JSII_NODE``), preferring the pinned one, and return it."""
+def select_node(pinned: Path | None = None, needed_for: str = "to render manifests (cdk8s runs on it)") -> str:
+    """Point jsii at a supported Node (``JSII_NODE``), preferring the pinned one, and return it.
+    ``needed_for`` says in the error what the caller was about to do."""
     pinned = pinned or PINNED_NODE
     chosen = os.environ.get("JSII_NODE")
     if chosen:
@@ -45,8 +46,7 @@ def select_node(pinned: Path | None = None) -> str:
         return str(pinned)
     on_path = shutil.which("node")
     if on_path is None:
-        raise NodeRuntimeMissing(f"Node.js is needed to render manifests (cdk8s runs on it) and none was found; "
-                                 f"{HOW_TO_GET_IT}")
+        raise NodeRuntimeMissing(f"Node.js is needed {needed_for} and none was found; {HOW_TO_GET_IT}")
     major = node_major(on_path)
     if major is None or major < OLDEST_SUPPORTED_MAJOR:
         raise NodeRuntimeMissing(f"{on_path} is Node.js {major or 'of an unknown version'}, which cdk8s no longer "

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from k8s_charts.node import HOW_TO_GET_IT
+
 from tests.conftest import REPO
 
 CDK = REPO / "node_modules" / ".bin" / "cdk"
@@ -58,9 +60,13 @@ def templates(outdir: Path) -> list[str]:
 def default_synths(tmp_path_factory, offline_env):
     """Two `python app.py` runs and one `cdk synth` of the default config."""
     outs = {name: tmp_path_factory.mktemp(name) for name in ("python1", "python2", "cli")}
-    for name in ("python1", "python2"):
-        result = python_synth(outs[name], offline_env)
+    # The second as from a user's plain shell: no node_modules/.bin on PATH, maybe the system's
+    # end-of-life Node 20, whose 11-line banner jsii printed on every run (issue 36).
+    plain_shell = {**offline_env, "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    for name, env in (("python1", offline_env), ("python2", plain_shell)):
+        result = python_synth(outs[name], env)
         assert result.returncode == 0, result.stderr
+        assert result.stderr == "", result.stderr
     result = cli_synth(outs["cli"], offline_env)
     assert result.returncode == 0, result.stderr
     return outs
@@ -125,6 +131,19 @@ def test_bad_config_cli_fails_and_keeps_the_previous_output(tmp_path, bad_config
     assert "Traceback" not in result.stderr
     assert sorted(p.name for p in outdir.iterdir()) == ["previous.template.json"]
     assert (outdir / "previous.template.json").read_text() == "{}"
+
+
+def test_python_app_without_node_is_one_line(tmp_path, offline_env):
+    code = ("import os, runpy, sys; from k8s_charts import node; node.PINNED_NODE = node.Path('/nonexistent/node'); "
+            "os.environ.pop('JSII_NODE', None); sys.argv = ['app.py', '-o', sys.argv[1]]; runpy.run_path('app.py')")
+    env = {**offline_env, "PATH": str(tmp_path), "PYTHONPATH": str(REPO)}
+    env.pop("JSII_NODE", None)
+    result = run([sys.executable, "-c", code, str(tmp_path / "out")], env)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: Node.js is needed to synthesize (the AWS CDK and cdk8s run on it through jsii) and none was found; "
+        f"{HOW_TO_GET_IT}"]
+    assert not (tmp_path / "out").exists()
 
 
 def test_python_app_rejects_malformed_context_argument(tmp_path, offline_env):
