@@ -19,6 +19,7 @@ from constructs import Construct
 from cdk_constructs.autoscaled_size import AutoscaledSize, AutoscaledSizeProps
 from cdk_constructs.efa_launch_template import CapacityReservation, EfaLaunchTemplate, EfaLaunchTemplateProps
 from cdk_constructs.nag import account_in_finding, acknowledge
+from cdk_constructs.node_version import NodeVersion, pin_node_version
 from config.catalog import (
     ACCELERATED_ROLE, ACCELERATOR_LABEL, EFA_PRESENT_LABEL, GPU_TYPE_LABEL, INSTANCE_TYPE_LABEL, NODE_GROUP_LABEL,
     NODE_ROLE_LABEL, InstanceType,
@@ -70,6 +71,7 @@ class AcceleratedNodeGroupProps:
     max_size: int
     desired_size: int  # when the group is created; cluster-autoscaler owns it afterwards (AutoscaledSize)
     efa: bool  # one EFA interface per network card (the instance must have EFA)
+    version: NodeVersion  # the Kubernetes minor (and AMI release) the nodes run, from the cluster's config
     capacity_type: eks.CapacityType = eks.CapacityType.ON_DEMAND  # ON_DEMAND or SPOT
     placement_group: bool = True  # a cluster placement group of the group's own
     # Launch into reserved capacity; a Capacity Block makes the group's capacity type CAPACITY_BLOCK.
@@ -113,6 +115,7 @@ class AcceleratedNodeGroup(Construct):
             labels=node_labels(props.name, instance, props.efa),
             taints=[eks.TaintSpec(key=key, value=value, effect=eks.TaintEffect.NO_SCHEDULE)],
         )
+        pin_node_version(self.nodegroup, props.version)
         self._tag_auto_scaling_group(props.cluster, autoscaler_template_tags(props.name, instance, props.efa))
 
     def _tag_auto_scaling_group(self, cluster: eks.ICluster, tags: dict[str, str]) -> None:

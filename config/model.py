@@ -137,10 +137,23 @@ class NetworkConfig(StrictModel):
         return v
 
 
-class ClusterConfig(StrictModel):
-    """The EKS control plane."""
+# An EKS optimized AMI release, "<Kubernetes x.y.z>-<build date>", e.g. 1.34.2-20251120 (CreateNodegroup
+# releaseVersion, EKS API Reference; the "Amazon EKS optimized Amazon Linux AMI versions" in the User Guide).
+AMI_RELEASE_VERSION = re.compile(r"(?P<minor>\d+\.\d+)\.\d+-\d{8}")
 
+
+def minor_number(version: str) -> int:
+    """``1.34`` -> 34."""
+    return int(version.split(".")[1])
+
+
+class ClusterConfig(StrictModel):
+    """The EKS control plane, and the Kubernetes version and AMI release every managed node group runs."""
+
+    # The control plane's minor, and the node groups' unless ami_release_version names an older one.
     kubernetes_version: str = "1.34"
+    # None: EKS's newest AMI release for the nodes' minor whenever a group is created or its minor changes.
+    ami_release_version: str | None = None
     endpoint_access_cidrs: list[str] = Field(min_length=1)
     admin_principal_arns: list[str] = []
     # An idle accelerated node is removed after this many minutes (groups scale to min_size, 0 by default).
@@ -152,6 +165,38 @@ class ClusterConfig(StrictModel):
         if str(v) not in SUPPORTED_KUBERNETES_VERSIONS:
             raise FieldProblem("", v, ", ".join(SUPPORTED_KUBERNETES_VERSIONS), "unsupported Kubernetes version")
         return str(v)
+
+    @model_validator(mode="after")
+    def _nodes_within_the_skew(self):
+        # Kubernetes' version skew policy lets a kubelet be up to three minors older than
+        # kube-apiserver and never newer (kubernetes.io/releases/version-skew-policy). Managed node
+        # groups are narrower: EKS creates or updates a group only to the cluster's own minor
+        # (EKS API Reference, CreateNodegroup/UpdateNodegroupVersion "version") and updates the
+        # control plane only while every group matches it (UpdateClusterVersion), so the one skew
+        # a deploy can reach is nodes held one minor back while the control plane moved ahead.
+        release = self.ami_release_version
+        if release is None:
+            return self
+        found = AMI_RELEASE_VERSION.fullmatch(release)
+        if found is None:
+            raise FieldProblem("ami_release_version", release,
+                               "an EKS optimized AMI release <Kubernetes x.y.z>-<YYYYMMDD>, e.g. 1.34.2-20251120, "
+                               "or leave it out")
+        control = self.kubernetes_version
+        behind = minor_number(control) - minor_number(found["minor"])
+        if not 0 <= behind <= 1:
+            previous = f"1.{minor_number(control) - 1}"
+            raise FieldProblem("ami_release_version", release,
+                               f"a {control} or {previous} release for control plane {control}, e.g. {control}.x-YYYYMMDD",
+                               f"Kubernetes {found['minor']} nodes " + ("ahead of" if behind < 0 else "too far behind")
+                               + " the control plane")
+        return self
+
+    @property
+    def node_kubernetes_version(self) -> str:
+        """The minor every managed node group runs: the AMI release's, else the control plane's."""
+        found = AMI_RELEASE_VERSION.fullmatch(self.ami_release_version or "")
+        return found["minor"] if found else self.kubernetes_version
 
     @field_validator("endpoint_access_cidrs")
     @classmethod

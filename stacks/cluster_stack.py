@@ -19,10 +19,12 @@ from cdk_constructs.cluster_charts import ChartVersions, ClusterCharts, ClusterC
 from cdk_constructs.efa_launch_template import CapacityReservation, EfaLaunchTemplate, EfaLaunchTemplateProps
 from cdk_constructs.nag import acknowledge
 from cdk_constructs.network import RETENTION_BY_DAYS
+from cdk_constructs.node_version import NodeVersion, pin_node_version
 from cdk_constructs.pod_identity import associate
 from cdk_constructs.training_dashboard import TrainingDashboard, TrainingDashboardProps
 from config import AcceleratedNodeGroupConfig, PlatformConfig
 from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
+from config.model import ClusterConfig
 from k8s_charts.platform_charts import (
     TRAINER_SERVICE_ACCOUNT, EtcdCertificatesChart, EtcdChart, LustreVolumeValues, NamespacesChart, PlatformCheckChart,
     SchedulingChart, StorageChart, StorageClassChart, platform_check_name,
@@ -46,8 +48,13 @@ def kubectl_layer(scope: Construct, kubernetes_version: str):
     return getattr(module, f"KubectlV{minor}Layer")(scope, "KubectlLayer")
 
 
+def node_version(config: ClusterConfig) -> NodeVersion:
+    """What every managed node group runs: one source, the cluster's config."""
+    return NodeVersion(kubernetes=config.node_kubernetes_version, ami_release=config.ami_release_version)
+
+
 def accelerated_node_group_props(group: AcceleratedNodeGroupConfig, *, cluster: eks.ICluster, subnet: ec2.ISubnet,
-                                 node_role: iam.IRole, node_security_group: ec2.ISecurityGroup
+                                 node_role: iam.IRole, node_security_group: ec2.ISecurityGroup, version: NodeVersion
                                  ) -> AcceleratedNodeGroupProps:
     """One node group of the config, as the construct takes it: the resources, and the group's facts."""
     reservation = group.capacity_reservation
@@ -55,7 +62,7 @@ def accelerated_node_group_props(group: AcceleratedNodeGroupConfig, *, cluster: 
         cluster=cluster, subnet=subnet, node_role=node_role, node_security_group=node_security_group,
         name=group.name, instance=group.instance,
         min_size=group.min_size, max_size=group.max_size, desired_size=group.desired_size,
-        efa=group.efa_enabled, capacity_type=eks.CapacityType[group.capacity_type.value],
+        efa=group.efa_enabled, version=version, capacity_type=eks.CapacityType[group.capacity_type.value],
         placement_group=group.placement_group,
         capacity_reservation=CapacityReservation(reservation.id, capacity_block=reservation.kind == "capacity_block")
         if reservation else None,
@@ -153,10 +160,14 @@ class ClusterStack(Stack):
             min_size=system.min_size, desired_size=system_size.desired_size, max_size=system.max_size,
             labels={NODE_ROLE_LABEL: SYSTEM_ROLE},
         )
+        # Every group follows cluster.kubernetes_version; each names the cluster by Ref, so a deploy
+        # that bumps it updates the control plane first, then rolls the groups (cdk_constructs/node_version.py).
+        versions = node_version(config.cluster)
+        pin_node_version(self.system_nodes, versions)
         self.accelerated = [
             AcceleratedNodeGroup(self, f"Group-{group.name}", accelerated_node_group_props(
                 group, cluster=self.cluster, subnet=net.compute_subnet, node_role=registry.node_role,
-                node_security_group=net.node_security_group))
+                node_security_group=net.node_security_group, version=versions))
             for group in config.accelerated_node_groups
         ]
         # Nodes join with the pinned VPC CNI, not the one EKS bootstraps and the add-on then replaces.

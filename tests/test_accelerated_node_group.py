@@ -9,6 +9,7 @@ from aws_cdk import App, Stack, aws_ec2 as ec2, aws_eks_v2 as eks, aws_iam as ia
 from aws_cdk.assertions import Match, Template
 
 from cdk_constructs.accelerated_node_group import AcceleratedNodeGroup, autoscaler_template_tags
+from cdk_constructs.node_version import NodeVersion
 from config import AcceleratedNodeGroupConfig, lookup
 from stacks.cluster_stack import accelerated_node_group_props
 
@@ -27,7 +28,8 @@ def synth(config: AcceleratedNodeGroupConfig) -> tuple[Template, Stack, ec2.ISub
     role = iam.Role(stack, "NodeRole", assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"))
     sg = ec2.SecurityGroup(stack, "NodeSg", vpc=vpc)
     AcceleratedNodeGroup(stack, "P4d", accelerated_node_group_props(
-        config, cluster=cluster, subnet=subnet, node_role=role, node_security_group=sg))
+        config, cluster=cluster, subnet=subnet, node_role=role, node_security_group=sg,
+        version=NodeVersion("1.34")))
     return Template.from_stack(stack), stack, subnet
 
 

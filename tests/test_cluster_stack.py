@@ -203,3 +203,85 @@ def test_every_accelerated_type_synthesizes_as_a_node_group(synth, instance_type
     launch = next(p for p in props(result, "AWS::EC2::LaunchTemplate")
                   if p["LaunchTemplateData"].get("InstanceType") == instance_type)["LaunchTemplateData"]
     assert len(launch.get("NetworkInterfaces", [])) == CATALOG[instance_type].efa_interfaces
+
+
+# --- node group versions and update order -------------------------------------------------------
+
+def node_groups(result) -> dict[str, dict]:
+    return resources(result, "AWS::EKS::Nodegroup")
+
+
+def control_plane(result) -> tuple[str, dict]:
+    (logical_id, cluster), = resources(result, "AWS::EKS::Cluster").items()
+    return logical_id, cluster
+
+
+def referenced(value) -> set[str]:
+    """The logical ids a property value names with Ref or Fn::GetAtt."""
+    if isinstance(value, dict):
+        found = set()
+        for key, inner in value.items():
+            if key == "Ref" and isinstance(inner, str):
+                found.add(inner)
+            elif key == "Fn::GetAtt":
+                found.add(inner[0] if isinstance(inner, list) else inner.split(".")[0])
+            else:
+                found |= referenced(inner)
+        return found
+    if isinstance(value, list):
+        return set().union(*map(referenced, value)) if value else set()
+    return set()
+
+
+def updated_after(template_resources: dict[str, dict], logical_id: str) -> set[str]:
+    """Everything CloudFormation updates before ``logical_id``: its Ref/GetAtt targets and DependsOn,
+    transitively ("Resource B is updated before resource A", the DependsOn attribute's documentation)."""
+    seen: set[str] = set()
+    todo = [logical_id]
+    while todo:
+        resource = template_resources.get(todo.pop(), {})
+        depends = resource.get("DependsOn", [])
+        direct = (referenced(resource.get("Properties", {})) | set([depends] if isinstance(depends, str) else depends))
+        for other in direct & template_resources.keys() - seen:
+            seen.add(other)
+            todo.append(other)
+    return seen
+
+
+def test_every_node_group_runs_the_control_planes_minor(example):
+    _, cluster = control_plane(example)
+    groups = node_groups(example)
+    assert len(groups) == 3  # system, p4d, trn1
+    assert {name: g["Properties"].get("Version") for name, g in groups.items()} == \
+        {name: cluster["Properties"]["Version"] for name in groups}
+    assert not any("ReleaseVersion" in g["Properties"] for g in groups.values())  # EKS's newest for the minor
+
+
+@pytest.mark.parametrize("changes, control, nodes, release", [
+    ({"cluster.kubernetes_version": "1.35"}, "1.35", "1.35", None),
+    ({"cluster.kubernetes_version": "1.35", "cluster.ami_release_version": "1.34.4-20260101"},
+     "1.35", "1.34", "1.34.4-20260101"),
+], ids=["bumped", "held-back"])
+def test_node_groups_follow_the_one_version_field(synth, changes, control, nodes, release):
+    result = synth(config_variant(**changes))
+    assert control_plane(result)[1]["Properties"]["Version"] == control
+    for group in node_groups(result).values():
+        assert (group["Properties"]["Version"], group["Properties"].get("ReleaseVersion")) == (nodes, release)
+
+
+def test_node_groups_are_updated_after_the_control_plane_and_the_vpc_cni(example):
+    everything = template(example).to_json()["Resources"]
+    cluster_id, _ = control_plane(example)
+    (cni_id,) = [k for k, r in resources(example, "AWS::EKS::Addon").items() if r["Properties"]["AddonName"] == "vpc-cni"]
+    for logical_id in node_groups(example):
+        before = updated_after(everything, logical_id)
+        assert {cluster_id, cni_id} <= before, logical_id
+        assert logical_id not in updated_after(everything, cluster_id)  # and never the other way round
+
+
+def test_the_order_check_sees_a_missing_dependency():
+    resources_ = {"Cluster": {"Type": "AWS::EKS::Cluster"},
+                  "Group": {"Type": "AWS::EKS::Nodegroup", "Properties": {"ClusterName": "mltrain"}}}
+    assert updated_after(resources_, "Group") == set()
+    resources_["Group"]["Properties"]["ClusterName"] = {"Ref": "Cluster"}
+    assert updated_after(resources_, "Group") == {"Cluster"}

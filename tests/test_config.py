@@ -159,6 +159,24 @@ def test_example_config_is_valid():
             id="kubernetes-version",
         ),
         pytest.param(
+            {"cluster.ami_release_version": "1.35.0-20260101"},
+            "cluster.ami_release_version: got \"1.35.0-20260101\" (Kubernetes 1.35 nodes ahead of the control plane); "
+            "allowed: a 1.34 or 1.33 release for control plane 1.34, e.g. 1.34.x-YYYYMMDD",
+            id="nodes-ahead-of-the-control-plane",
+        ),
+        pytest.param(
+            {"cluster.kubernetes_version": "1.35", "cluster.ami_release_version": "1.33.5-20250920"},
+            "cluster.ami_release_version: got \"1.33.5-20250920\" (Kubernetes 1.33 nodes too far behind the control "
+            "plane); allowed: a 1.35 or 1.34 release for control plane 1.35, e.g. 1.35.x-YYYYMMDD",
+            id="nodes-two-minors-behind",
+        ),
+        pytest.param(
+            {"cluster.ami_release_version": "ami-0123456789abcdef0"},
+            "cluster.ami_release_version: got \"ami-0123456789abcdef0\"; allowed: an EKS optimized AMI release "
+            "<Kubernetes x.y.z>-<YYYYMMDD>, e.g. 1.34.2-20251120, or leave it out",
+            id="ami-release-not-a-release",
+        ),
+        pytest.param(
             {"cluster.endpoint_access_cidrs": ["0.0.0.0/0", "10.0.0.1/8"]},
             "cluster.endpoint_access_cidrs[1]: got \"10.0.0.1/8\"; allowed: IPv4 networks in CIDR form, "
             "e.g. 203.0.113.0/24",
@@ -320,3 +338,10 @@ class TestYamlFile:
 @pytest.mark.parametrize("path", sorted((REPO / "config").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_example_config_is_valid(path):
     assert load_config(path).name_prefix
+
+
+def test_nodes_follow_the_control_plane_unless_a_release_holds_them_back():
+    assert parse_config(config_variant(**{"cluster.kubernetes_version": "1.35"})).cluster.node_kubernetes_version == "1.35"
+    held = parse_config(config_variant(**{"cluster.kubernetes_version": "1.35",
+                                          "cluster.ami_release_version": "1.34.4-20260101"})).cluster
+    assert (held.kubernetes_version, held.node_kubernetes_version) == ("1.35", "1.34")

@@ -281,3 +281,69 @@ def test_citations_of_the_design_note_name_its_sections():
                 elif match.group(2) and match.group(2) not in sections:
                     problems.append(f"{where}: docs/DESIGN.md has no section {match.group(2)!r}")
     assert problems == []
+
+
+# --- the upgrade table --------------------------------------------------------------------------
+
+OPERATIONS = DOCS / "operations.md"
+UPGRADE_SECTION = "## Upgrades and config changes"
+UPGRADE_HEADER = "| field | update policy | what happens to running jobs |"
+
+
+def upgrade_table(text: str) -> tuple[dict[str, str], set[str], list[str]]:
+    """(field -> policy, the policies the section defines, the sections it claims to cover)."""
+    section = text[text.index(UPGRADE_SECTION) + len(UPGRADE_SECTION):]
+    section = section[:section.index("\n## ")]
+    defined = set(re.findall(r"^- \*\*([a-z ]+)\*\*:", section, flags=re.M))
+    claim = re.search(r"^The table covers every field of (.+)\.$", section, flags=re.M)
+    covered = re.findall(r"`([\w\[\]]+)`", claim.group(1)) if claim else []
+    rows: dict[str, str] = {}
+    table = section[section.index(UPGRADE_HEADER):].splitlines()[2:]
+    for line in table:
+        if not line.startswith("|"):
+            break
+        field, policy, _ = [c.strip() for c in line.strip().strip("|").split("|", 2)]
+        name = re.fullmatch(r"`([\w.\[\]]+)`", field)
+        assert name, f"a row without a `field`: {line}"
+        assert name.group(1) not in rows, f"{name.group(1)} is listed twice"
+        rows[name.group(1)] = policy
+    return rows, defined, covered
+
+
+def upgrade_table_problems(text: str) -> list[str]:
+    from config import PlatformConfig
+
+    rows, defined, covered = upgrade_table(text)
+    fields = {key: is_section for key, _, is_section in model_fields(PlatformConfig)}
+    problems = [f"{f}: no such config field" for f in rows if f not in fields]
+    problems += [f"{f}: update policy {p!r} is not one the section defines ({', '.join(sorted(defined))})"
+                 for f, p in rows.items() if p not in defined]
+    for section in covered:  # e.g. fsx, or accelerated_node_groups[] (model_fields marks list items so)
+        for key, is_section in fields.items():
+            parent = key.rsplit(".", 1)[0]
+            if (key.startswith(section + ".") and key not in rows and parent not in rows  # a listed section covers its keys
+                    and not (is_section and any(r.startswith(key + ".") for r in rows))):
+                problems.append(f"{key}: the table claims to cover {section} but has no row for it")
+    return problems
+
+
+def test_the_upgrade_table_names_real_fields_and_covers_the_sections_it_claims():
+    rows, defined, covered = upgrade_table(OPERATIONS.read_text())
+    assert defined == {"in place", "rolled", "replaced", "create only"}
+    assert covered == ["cluster", "system_node_group", "accelerated_node_groups[]", "fsx"]
+    assert rows["cluster.kubernetes_version"] == "rolled" and rows["cluster.ami_release_version"] == "rolled"
+    assert upgrade_table_problems(OPERATIONS.read_text()) == []
+
+
+def test_the_upgrade_table_check_catches_a_missing_row_a_made_up_field_and_an_unknown_policy():
+    text = OPERATIONS.read_text()
+    text = re.sub(r"^\| `fsx\.compression` \|.*\n", "", text, flags=re.M)
+    text = text.replace("| `fsx.log_retention_days` | in place |", "| `fsx.log_days` | in place |")
+    text = text.replace("| `cluster.admin_principal_arns` | in place |", "| `cluster.admin_principal_arns` | hot |")
+    assert sorted(upgrade_table_problems(text)) == sorted([
+        "fsx.log_days: no such config field",
+        "cluster.admin_principal_arns: update policy 'hot' is not one the section defines "
+        "(create only, in place, replaced, rolled)",
+        "fsx.compression: the table claims to cover fsx but has no row for it",
+        "fsx.log_retention_days: the table claims to cover fsx but has no row for it",
+    ])
