@@ -13,7 +13,14 @@ PY := $(VENV)/bin/python
 CONFIG ?= config/example.yaml
 OUT ?= cdk.out
 DIST ?= dist
+# The example jobs name the example config's node groups (p4d, trn1): they are rendered with it
+# alone. With your config, name your own job specs: make synth CONFIG=... JOBS="jobs/a.yaml jobs/b.yaml".
+EXAMPLE_CONFIG := config/example.yaml
+ifeq ($(CONFIG),$(EXAMPLE_CONFIG))
 JOBS ?= $(wildcard k8s_charts/examples/*.yaml)
+else
+JOBS ?=
+endif
 
 # Offline and quiet: no telemetry, no instance-metadata credential probing, the pinned
 # Node from node_modules for both the CDK CLI and jsii.
@@ -40,16 +47,33 @@ CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
 NODE_STAMP := node_modules/.installed
 DEB_PACKAGES := etcd-server
 
-.PHONY: synth test test-fast setup-deploy setup-test system-packages benchmark lock clean
+.PHONY: synth diff-offline test test-fast setup-deploy setup-test system-packages benchmark lock clean
 
-# Synthesize into a staging folder and swap it in only on success: a bad config leaves
-# the previous cdk.out as it was, and a removed stack leaves no stale template behind.
+# Render and synthesize into staging folders and swap both in only when both succeeded: a bad
+# config or job spec leaves cdk.out and dist as they were (never one new and one stale), and a
+# removed stack or job leaves no stale file behind. The manifests go first: they fail fastest.
 synth: setup-deploy
-	rm -rf $(OUT).staging
+	rm -rf $(OUT).staging $(DIST).staging
+	$(PY) -m k8s_charts --config $(CONFIG) $(foreach job,$(JOBS),--job $(job)) --out $(DIST).staging --no-list
 	cdk synth --quiet --output $(OUT).staging -c config=$(CONFIG)
 	rm -rf $(OUT) && mv $(OUT).staging $(OUT)
+	rm -rf $(DIST) && mv $(DIST).staging $(DIST)
 	@echo "CloudFormation templates: $$(ls $(OUT)/*.template.json | tr '\n' ' ')"
-	$(PY) -m k8s_charts --config $(CONFIG) $(foreach job,$(JOBS),--job $(job)) --out $(DIST)
+	@echo "manifests: $$(ls $(DIST)/*.yaml | tr '\n' ' ')"
+	@[ -n "$(strip $(JOBS))" ] || echo "no job specs rendered: name yours with JOBS=\"path/a.yaml path/b.yaml\""
+
+# Offline review: each stack of a fresh synth against the templates kept from the last deploy
+# (DEPLOYED, a copy of the cdk.out that was deployed). `cdk diff --all` needs credentials: it reads
+# the deployed stacks. Exits 1 when a change replaces or deletes a resource (--fail-on destructive).
+DEPLOYED ?= cdk.out.deployed
+diff-offline: synth
+	@[ -d "$(DEPLOYED)" ] || { echo "DEPLOYED=$(DEPLOYED): no such folder; allowed: a copy of the cdk.out you deployed (cp -r cdk.out $(DEPLOYED) after each deploy)" >&2; exit 2; }
+	status=0; for template in $(OUT)/*.template.json; do \
+	  stack=$$(basename $$template .template.json); \
+	  if [ ! -f "$(DEPLOYED)/$$stack.template.json" ]; then echo "$$stack: new, not in $(DEPLOYED)"; continue; fi; \
+	  cdk diff --app $(OUT) $$stack --exclusively --template $(DEPLOYED)/$$stack.template.json \
+	    --fail-on destructive || status=1; \
+	done; exit $$status
 
 test: setup-test
 	$(PY) -m pytest

@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outputs", help="cdk deploy --outputs-file JSON, for the FSx volume")
     parser.add_argument("--image", help="trainer image for the data preparation job (default: the first job's)")
     parser.add_argument("--out", default="dist")
+    parser.add_argument("--no-list", action="store_true", help="do not list the files written (make synth lists "
+                        "them once it has moved them in place)")
     args = parser.parse_args(argv)
     try:
         select_node()
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     for stale in out.glob("*.yaml"):
         stale.unlink()
     app.synth()
-    print(f"manifests: {' '.join(sorted(str(p) for p in out.glob('*.yaml')))}")
+    if not args.no_list:
+        print(f"manifests: {' '.join(sorted(str(p) for p in out.glob('*.yaml')))}")
     if volume is None:
         print("note: no --outputs given, so no FSx PersistentVolume was rendered; pass the storage stack's "
               "outputs (cdk deploy --outputs-file) to render it")

@@ -161,3 +161,58 @@ def test_make_synth_with_a_bad_config_keeps_the_previous_output(tmp_path, bad_co
     assert result.returncode != 0
     assert f"config error: {bad_config}: {EXPECTED_LINE}" in result.stderr.splitlines()
     assert sorted(p.name for p in outdir.iterdir()) == ["previous.template.json"]
+
+
+def team_config(tmp_path: Path) -> Path:
+    """A team's config whose node groups are not named like the example's (p4d, trn1)."""
+    text = (REPO / "config" / "example.yaml").read_text()
+    path = tmp_path / "my-team.yaml"
+    path.write_text(text.replace("name: p4d", "name: a100").replace("name: trn1", "name: trainium"))
+    assert path.read_text() != text
+    return path
+
+
+def test_make_synth_with_a_team_config_renders_its_jobs_not_the_examples(tmp_path, offline_env):
+    """The examples name the example's node groups; a team's config rendered them by default and
+    failed, the first command of the README's deploy section (issue 36)."""
+    config = team_config(tmp_path)
+    dry = run(["make", "--no-print-directory", "-n", "synth", f"CONFIG={config}"], offline_env)
+    render = [line for line in dry.stdout.splitlines() if "-m k8s_charts" in line]
+    assert dry.returncode == 0 and len(render) == 1 and "--job" not in render[0], dry.stdout
+    with_examples = run(["make", "--no-print-directory", "-n", "synth"], offline_env).stdout
+    assert "--job k8s_charts/examples/resnet50-p4d.yaml" in with_examples
+
+
+def test_make_synth_with_a_bad_job_keeps_both_previous_outputs(tmp_path, offline_env):
+    outdir, dist = tmp_path / "out", tmp_path / "dist"
+    for folder, name in ((outdir, "previous.template.json"), (dist, "previous.yaml")):
+        folder.mkdir()
+        (folder / name).write_text("{}")
+    result = run(["make", "--no-print-directory", "synth", f"CONFIG={team_config(tmp_path)}", f"OUT={outdir}",
+                  f"DIST={dist}", "JOBS=k8s_charts/examples/resnet50-p4d.yaml"], offline_env)
+    assert result.returncode != 0
+    assert "node_group: got \"p4d\" (not a node group of this platform); allowed: a100, trainium" in result.stderr
+    assert [p.name for p in outdir.iterdir()] == ["previous.template.json"]
+    assert [p.name for p in dist.iterdir()] == ["previous.yaml"]
+
+
+def test_make_diff_offline_reviews_every_stack_against_the_deployed_templates(tmp_path, default_synths, offline_env):
+    """The README's offline review: `cdk diff --all` reads the deployed stacks and fails without
+    credentials; `make diff-offline` diffs each stack of a synth against kept templates."""
+    import json
+    import shutil
+
+    deployed = tmp_path / "deployed"
+    shutil.copytree(default_synths["python1"], deployed)
+    template = deployed / "mltrain-storage.template.json"
+    data = json.loads(template.read_text())
+    data["Resources"]["RemovedSinceTheDeploy"] = {"Type": "AWS::SNS::Topic", "Properties": {}}
+    template.write_text(json.dumps(data))
+    # -o synth: the synth this target depends on is default_synths' (make synth is tested above).
+    result = run(["make", "--no-print-directory", "-o", "synth", "diff-offline", f"OUT={default_synths['python2']}",
+                  f"DEPLOYED={deployed}"], offline_env)
+    assert result.returncode != 0
+    assert "mltrain-storage: AWS::SNS::Topic RemovedSinceTheDeploy will be destroyed" in result.stderr + result.stdout
+    missing = run(["make", "--no-print-directory", "-o", "synth", "diff-offline", f"DEPLOYED={tmp_path / 'none'}"],
+                  offline_env)
+    assert missing.returncode == 2 and f"DEPLOYED={tmp_path / 'none'}: no such folder" in missing.stderr
