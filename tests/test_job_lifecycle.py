@@ -16,9 +16,9 @@ from training.contract import EXIT_RESTART_JOB
 pytestmark = pytest.mark.timeout(600)
 
 # Sized so the job (about 180 steps/s with two agents on two cores) outlives the drill's plan.
-ETCD_DRILL_SAMPLES = 900_000
-ETCD_PLAN = [("wait", 3), ("down", 20), ("wait", 3), ("down", 60), ("wait", 3), ("restart", 0), ("wait", 3),
-             ("empty", 0)]
+# One outage of 60 s (a 20 s one asserted nothing more and cost the suite 25 s).
+ETCD_DRILL_SAMPLES = 750_000
+ETCD_PLAN = [("wait", 3), ("down", 60), ("wait", 3), ("restart", 0), ("wait", 3), ("empty", 0)]
 INCARNATION_SAMPLES = 120_000
 
 
@@ -43,9 +43,8 @@ def test_the_job_outlives_the_drill_and_finishes(etcd_run):
         "the job finished before the drill's last disruption: raise ETCD_DRILL_SAMPLES")
 
 
-@pytest.mark.parametrize("what", ["etcd down 20 s", "etcd down 60 s"])
-def test_a_job_keeps_training_while_etcd_is_away(etcd_run, what):
-    outage = disruption(etcd_run, what)
+def test_a_job_keeps_training_while_etcd_is_away(etcd_run):
+    outage = disruption(etcd_run, "etcd down 60 s")
     assert outage.restarts == 0 and outage.steps_lost == 0
     assert outage.stalled_s < 1.0  # training never paused
     assert outage.steps_during > 20 * outage.lasted_s  # it trained all along

@@ -100,7 +100,6 @@ REGROUP_IN_PLACE_ENV = "PLATFORM_REGROUP_IN_PLACE"
 NODE_RANKS_EVENT = "node_ranks"
 
 
-
 @dataclass(frozen=True)
 class RendezvousTuning:
     """``--rdzv-conf`` of the ``platform-etcd`` rendezvous (training/launcher/rendezvous.py); chosen with
