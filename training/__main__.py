@@ -124,6 +124,18 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (CheckpointError, DataError, DeviceError, PrepareError, TransportError)
 
 
+def _stopped_status(result) -> int:
+    """0 for a finished run; 128 + the signal's number for one this process's signal stopped
+    (checkpointed), as a shell reports a process the signal ended: a scheduler or a script must
+    not take a stopped run for a finished one. (A stop for a peer's signal exits in train().)"""
+    import signal
+
+    from training.loop import elastic
+
+    name = elastic.received_signal()
+    return 128 + signal.Signals[name].value if result.stopped_by_signal and name else 0
+
+
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
     from training.config import load_train_config
 
@@ -136,8 +148,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
             return 0
         from training.loop.trainer import train
 
-        train(config)
-        return 0
+        return _stopped_status(train(config))
     if args.command == "bench":
         from training.diagnostics.throughput import compare_with_bare_loop
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -87,6 +89,17 @@ class PlatformAgent(LocalElasticAgent):
         if not graceful:
             self._wait_for_writes()
         self._shutdown(timeout=self._shutdown_timeout if graceful else LOST_PEER_STOP_S)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        if death_sig == signal.SIGINT and threading.current_thread() is threading.main_thread():
+            # A Ctrl-C reached this agent and, from the terminal, its workers, which checkpoint at
+            # the end of their step and take the copy forwarded here for the same Ctrl-C
+            # (training/loop/elastic.py, StopRequest). torch would take a second Ctrl-C for a new
+            # SignalException in the middle of this shutdown, then shut down again with the whole
+            # budget (torch 2.13 elastic/agent/server/api.py, ``run``: ``finally: _shutdown``);
+            # it ends this agent at once instead, and the workers with it (die_with_agent).
+            signal.signal(signal.SIGINT, _exit_at_second_ctrl_c)
+        super()._shutdown(death_sig, timeout)
 
     def _wait_for_writes(self) -> None:
         """A checkpoint being written when a peer died is finished before the workers are killed:
@@ -175,6 +188,11 @@ class PlatformAgent(LocalElasticAgent):
     def _progressed(self) -> bool:
         newest = self._newest_checkpoint()
         return newest is not None and (self._checkpoint_at_start is None or newest > self._checkpoint_at_start)
+
+
+def _exit_at_second_ctrl_c(signum, _frame) -> None:
+    os.write(2, b"second Ctrl-C: exiting now, without a checkpoint\n")  # a signal handler: no print
+    os._exit(128 + signum)
 
 
 def install(newest_checkpoint: Callable[[], int | None]) -> None:

@@ -74,6 +74,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._pid = os.getpid()
         self.signal_name: str | None = None
         self.training = False  # set when the training loop starts: from then on, stops checkpoint
         # The agent's REGROUP_SIGNAL: stop at a step boundary with a checkpoint, then join the next
@@ -84,16 +85,27 @@ class StopRequest:
         global _current_request
         for sig in self.STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        # A trainer in a process forked from another trainer's (tests do that) takes its own signals.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.STOP_SIGNALS)
         if os.environ.get(CONTROL_DIR_ENV):
             signal.signal(REGROUP_SIGNAL, self._handle_regroup)
         _current_request = self
         if _watcher_pipe is None:  # one watcher per process, for whichever request is current
             _start_watcher()
+            os.register_at_fork(after_in_child=_leave_stops_to_the_parent)
 
     def _handle(self, signum, _frame) -> None:
         global _received_signal
+        if os.getpid() != self._pid:
+            return  # inherited by a forked process: stops are the trainer's (_leave_stops_to_the_parent)
         if signum == signal.SIGINT and self.training:
             # Ctrl-C in a terminal: the first checkpoints and stops, a second one exits at once.
+            # Under an agent, the terminal's Ctrl-C reaches the agent too, which forwards it to its
+            # workers (torch 2.13 elastic/agent/server/api.py, ``run``: ``_shutdown(e.sigval)``): a
+            # second one here is that copy. The user's second Ctrl-C ends the agent, and this
+            # worker with it (worker_guard.die_with_agent).
+            if self._event.is_set() and "TORCHELASTIC_RUN_ID" in os.environ:
+                return
             if self._event.is_set():
                 _tell_the_terminal("second Ctrl-C: exiting now, without a checkpoint")
                 os._exit(128 + signum)
@@ -171,6 +183,39 @@ def _watch(read_end: int) -> None:
             log.warning("%s before training started: nothing to checkpoint, exiting now",
                         signal.Signals(stops[0]).name)
             os._exit(128 + stops[0])
+
+
+def _leave_stops_to_the_parent() -> None:
+    """In a process the trainer forks (its DataLoader workers): a stop signal is the trainer's to act on.
+
+    Ctrl-C, ``kill -- -PGID``, systemd and Slurm signal every process of the group or unit, the
+    loader workers too. A worker that inherited the trainer's handler would say "Ctrl-C: saving a
+    checkpoint" once per worker; and torch's own SIGTERM handler in a worker (installed by
+    ``_worker_loop``, torch/utils/data/_utils/worker.py, torch 2.13.0) dies by the signal unless
+    it came from the parent (``handler_SIGTERM``, torch/csrc/DataLoader.cpp), after which the
+    trainer's SIGCHLD handler raises "DataLoader worker ... is killed by signal: Terminated" in
+    the middle of the step it was to checkpoint at the end of. So here SIGINT is ignored and
+    SIGTERM is blocked before torch installs anything (this runs at the fork), and a thread takes
+    SIGTERMs as they come: the parent's (``w.terminate()`` when shutting its workers down) ends
+    the worker at once as torch's handler would, any other sender's is dropped. The worker then
+    ends when the trainer shuts its loader down, or when the trainer is gone (the worker loop's
+    ``ManagerWatchdog``). Loaders use the default start method, fork on Linux (a spawned or
+    forkserver worker would not run this).
+    """
+    request = _current_request
+    parent = os.getppid()
+    if request is None or request._pid != parent:
+        return  # forked by a process other than the trainer that installed the request
+    signal.set_wakeup_fd(-1)  # the pipe is the parent's watcher's: this process's signals are not its news
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_end_on_sigterm_from, args=(parent,), name="sigterm-from-parent", daemon=True).start()
+
+
+def _end_on_sigterm_from(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)
 
 
 def init_process_group(backend: str, membership: Membership, device: torch.device, timeout_s: int) -> None:
