@@ -114,7 +114,10 @@ def test_every_n_steps_and_at_the_end_an_eval_event_and_the_summary_has_the_last
     (finished,) = records(tmp_path, "finished")
     assert finished["eval"] == figures(evals[-1])
     # The run's mean rate is training's: the evaluations' time is reported apart and left out.
-    assert finished["eval_s"] == pytest.approx(sum(e["eval_s"] for e in evals), abs=0.01) and finished["eval_s"] > 0
+    # The run's evaluation time spans each evaluation's own (and the writing of its event): never
+    # less than their sum, less the rounding to ms. Not equal within a bound: a loaded machine
+    # can take any time to write an event.
+    assert finished["eval_s"] >= sum(e["eval_s"] for e in evals) - 0.0005 * (len(evals) + 1) > 0
     trained = finished["samples_per_s"] * (finished["elapsed_s"] - finished["eval_s"])
     assert trained == pytest.approx(8 * 32, rel=5e-3)  # elapsed_s and eval_s are rounded to ms
     checkpoint = torch.load(tmp_path / "checkpoints" / "step-000000008.pt", weights_only=True)
