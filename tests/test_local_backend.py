@@ -49,9 +49,9 @@ def test_the_example_runs_on_cpu_with_fsx_under_the_work_directory(tmp_path):
 
 def test_the_nodes_default_to_max_nodes_as_far_as_this_machine_allows(tmp_path, monkeypatch):
     spec = load_job_spec(EXAMPLE, CONFIG)  # min 1, max 3
-    monkeypatch.setattr(local.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(local, "cores", lambda: 4)
     assert local.plan(spec, CONFIG, tmp_path, None, 1).nodes == 3
-    monkeypatch.setattr(local.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(local, "cores", lambda: 1)
     assert local.plan(spec, CONFIG, tmp_path, None, 1).nodes == 2  # two workers a core
     with pytest.raises(UserError, match=r"3 CPU workers are too many for this machine; fix: allowed: at most 2"):
         local.plan(spec, CONFIG, tmp_path, 3, 1)

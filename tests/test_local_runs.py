@@ -47,10 +47,10 @@ def job_spec(tmp_path: Path, name: str, samples: int = SAMPLES) -> Path:
 class Submit:
     """``trainctl submit`` in the foreground, its output collected line by line as it comes."""
 
-    def __init__(self, spec: Path, workdir: Path):
+    def __init__(self, spec: Path, workdir: Path, nodes: int = 2):
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         self.proc = subprocess.Popen([sys.executable, "-m", "trainctl", "submit", str(spec), "--backend", "local",
-                                      "--workdir", str(workdir), "--nodes", "2"], cwd=REPO, env=env,
+                                      "--workdir", str(workdir), "--nodes", str(nodes)], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.seen: set[int] = set()  # every process it started, workers too
@@ -164,7 +164,7 @@ def test_status_logs_and_list_read_the_finished_job(killed_run):
 
 
 def test_ctrl_c_stops_everything_with_a_checkpoint_and_the_next_submit_resumes(tmp_path):
-    spec = job_spec(tmp_path, "stopped", samples=9_600)
+    spec = job_spec(tmp_path, "stopped", samples=4_800)
     first = Submit(spec, tmp_path / "work")
     first.wait_for(r"^step \d+ .*world size 2$")
     first.note_processes()
@@ -181,3 +181,16 @@ def test_ctrl_c_stops_everything_with_a_checkpoint_and_the_next_submit_resumes(t
     assert f"resuming from step {stopped_at}" in second.output
     assert second.output.splitlines()[-1].startswith("stopped: completed")
     assert left_over(second.seen) == []
+
+
+def test_cancel_stops_a_running_submit_and_waits_until_it_is_gone(tmp_path):
+    submit = Submit(job_spec(tmp_path, "cancelled"), tmp_path / "work", nodes=1)
+    submit.wait_for(r"^round of 1 worker")
+    submit.note_processes()
+    work = ["--backend", "local", "--workdir", str(tmp_path / "work")]
+    running = trainctl("status", "cancelled", *work)
+    assert running.stdout.startswith("job cancelled (local): Running\n"), running
+    cancel = trainctl("cancel", "cancelled", *work)
+    assert cancel.returncode == 0 and cancel.stdout.startswith("cancelled cancelled; checkpoints stay in "), cancel
+    assert submit.proc.poll() == 130 and "stopping (SIGTERM)" in submit.output  # gone before cancel returned
+    assert left_over(submit.seen) == []

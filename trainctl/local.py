@@ -102,8 +102,13 @@ class LocalPlan:
                               tuning=tuning) + self.trainer_args
 
 
+def cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share, where known)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def worker_limit() -> int:
-    return min(MAX_WORKERS, WORKERS_PER_CORE * (os.cpu_count() or 1))
+    return min(MAX_WORKERS, WORKERS_PER_CORE * cores())
 
 
 def local_path(value: str, fsx: Path) -> str:
@@ -128,7 +133,7 @@ def plan(spec: JobSpec, config: PlatformConfig, root: Path, nodes: int | None, n
                         f"max_nodes ({spec.max_nodes})")
     if nodes * nproc > limit:
         raise UserError(f"--nodes {nodes} × --nproc-per-node {nproc}: {nodes * nproc} CPU workers are too many for "
-                        f"this machine", f"allowed: at most {limit} ({WORKERS_PER_CORE} a core, {os.cpu_count()} "
+                        f"this machine", f"allowed: at most {limit} ({WORKERS_PER_CORE} a core, {cores()} "
                         f"cores); pass a smaller --nodes (the spec's min_nodes is {spec.min_nodes})")
     fsx = root / "fsx"
     job_dir = root / "jobs" / spec.name
@@ -259,7 +264,8 @@ def describe(event: dict) -> str | None:
     if kind == "finished":
         return f"finished at step {e['step']}" + (f", loss {e['loss']:.4f}" if e.get("loss") is not None else "")
     if kind == "stop":
-        return f"stopped at step {e['step']} ({e.get('signal') or 'a peer stopped'}); checkpoint saved"
+        why = f" ({e['signal']})" if e.get("signal") else " to change rounds"  # a regroup: nodes came or went
+        return f"stopped at step {e['step']}{why}; checkpoint saved"
     return None
 
 
@@ -421,6 +427,7 @@ class LocalRun:
         self.state = {"name": plan.name, "pid": os.getpid(), "started": time.time(), "workdir": str(plan.root),
                       "checkpoints": str(plan.checkpoint_dir), "events": str(plan.events), "job_dir": str(self.job_dir),
                       "nodes_wanted": plan.nodes, "min_nodes": plan.min_nodes, "nproc_per_node": plan.nproc}
+        self._offset = plan.events.stat().st_size if plan.events.exists() else 0  # this run's events only
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.start_etcd()
@@ -459,7 +466,6 @@ class LocalRun:
                 self.say(line)
 
     def _supervise(self) -> int:
-        self._offset = self.plan.events.stat().st_size if self.plan.events.exists() else 0
         replacements: dict[str, float] = {}  # node -> when its replacement starts
         succeeded_at = None
         while True:
@@ -530,14 +536,15 @@ def submit(args, config: PlatformConfig) -> int:
     local = plan(spec, config, root, args.nodes, args.nproc_per_node or 1)
     etcd = etcd_binary()
     check_torch()
+    state = None
     with contextlib.suppress(UserError):
         state = read_state(root, spec.name)
-        if state["phase"] == "Running" and alive(state.get("pid")):
-            if not args.replace:
-                raise UserError(f"job {spec.name!r} is running locally (trainctl pid {state['pid']})",
-                                "choose another name, pass --replace to stop it first, or "
-                                f"`trainctl cancel {spec.name} --backend local`")
-            _cancel(state)
+    if state is not None and state["phase"] == "Running" and alive(state.get("pid")):
+        if not args.replace:
+            raise UserError(f"job {spec.name!r} is running locally (trainctl pid {state['pid']})",
+                            "choose another name, pass --replace to stop it first, or "
+                            f"`trainctl cancel {spec.name} --backend local`")
+        _cancel(state)
     return LocalRun(local, etcd).run()
 
 
