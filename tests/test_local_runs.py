@@ -54,7 +54,8 @@ class Submit:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.seen: set[int] = set()  # every process it started, workers too
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -91,8 +92,18 @@ class Submit:
         try:
             return self.proc.wait(timeout=300)
         finally:
-            if self.proc.poll() is None:
+            self.stop()
+            self.reader.join(timeout=10)  # every line it wrote is in self.lines
+
+    def stop(self) -> None:
+        """After a failed wait: stop it as cancel does (it ends its agents and etcd), then for good."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
 
 
 def left_over(pids: set[int]) -> list[str]:
@@ -120,12 +131,14 @@ def killed_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("local")
     workdir = tmp / "work"
     submit = Submit(job_spec(tmp, "killed"), workdir)
-    victim = int(submit.wait_for(r"^  node-1 +pid (\d+)")[0].group(1))
-    submit.wait_for(r"world size 2$", count=3)
-    submit.note_processes()
-    os.kill(victim, signal.SIGKILL)
-    replacement = int(submit.wait_for(r"^node-1 replaced: pid (\d+)")[0].group(1))
-    code = submit.wait()
+    try:
+        victim = int(submit.wait_for(r"^  node-1 +pid (\d+)")[0].group(1))
+        submit.wait_for(r"world size 2$", count=3)
+        submit.note_processes()
+        os.kill(victim, signal.SIGKILL)
+        replacement = int(submit.wait_for(r"^node-1 replaced: pid (\d+)")[0].group(1))
+    finally:
+        code = submit.wait()
     return {"code": code, "submit": submit, "victim": victim, "replacement": replacement, "workdir": workdir}
 
 
@@ -166,9 +179,11 @@ def test_status_logs_and_list_read_the_finished_job(killed_run):
 def test_ctrl_c_stops_everything_with_a_checkpoint_and_the_next_submit_resumes(tmp_path):
     spec = job_spec(tmp_path, "stopped", samples=4_800)
     first = Submit(spec, tmp_path / "work")
-    first.wait_for(r"^step \d+ .*world size 2$")
-    first.note_processes()
-    first.proc.send_signal(signal.SIGINT)
+    try:
+        first.wait_for(r"^step \d+ .*world size 2$")
+        first.note_processes()
+    finally:
+        first.proc.send_signal(signal.SIGINT)
     assert first.wait() == 130, first.output
     assert "stopping (SIGINT)" in first.output and re.search(r"stopped at step (\d+)", first.output), first.output
     assert left_over(first.seen) == []
@@ -185,12 +200,16 @@ def test_ctrl_c_stops_everything_with_a_checkpoint_and_the_next_submit_resumes(t
 
 def test_cancel_stops_a_running_submit_and_waits_until_it_is_gone(tmp_path):
     submit = Submit(job_spec(tmp_path, "cancelled"), tmp_path / "work", nodes=1)
-    submit.wait_for(r"^round of 1 worker")
-    submit.note_processes()
-    work = ["--backend", "local", "--workdir", str(tmp_path / "work")]
-    running = trainctl("status", "cancelled", *work)
+    try:
+        submit.wait_for(r"^round of 1 worker")
+        submit.note_processes()
+        work = ["--backend", "local", "--workdir", str(tmp_path / "work")]
+        running = trainctl("status", "cancelled", *work)
+        cancel = trainctl("cancel", "cancelled", *work)
+        exit_when_cancel_returned = submit.proc.poll()
+    finally:
+        submit.wait()
     assert running.stdout.startswith("job cancelled (local): Running\n"), running
-    cancel = trainctl("cancel", "cancelled", *work)
     assert cancel.returncode == 0 and cancel.stdout.startswith("cancelled cancelled; checkpoints stay in "), cancel
-    assert submit.proc.poll() == 130 and "stopping (SIGTERM)" in submit.output  # gone before cancel returned
+    assert exit_when_cancel_returned == 130 and "stopping (SIGTERM)" in submit.output
     assert left_over(submit.seen) == []
