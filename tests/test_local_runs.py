@@ -189,6 +189,7 @@ def test_ctrl_c_stops_everything_with_a_checkpoint_and_the_next_submit_resumes(t
     assert left_over(first.seen) == []
     status = trainctl("status", "stopped", "--backend", "local", "--workdir", str(tmp_path / "work"))
     assert status.stdout.startswith("job stopped (local): Cancelled"), status
+    assert re.findall(r"node-\d +pid \d+ +(.+)", status.stdout) == ["exit 143 (stopped by SIGTERM)"] * 2, status.stdout
 
     stopped_at = int(re.search(r"stopped at step (\d+)", first.output).group(1))
     second = Submit(spec, tmp_path / "work")

@@ -310,7 +310,6 @@ class Node:
     proc: subprocess.Popen | None = None
     started: float = 0.0
     code: int | None = None
-    workers: set[int] = field(default_factory=set)
 
 
 class LocalRun:
@@ -366,13 +365,16 @@ class LocalRun:
                # The launcher and the trainer from this checkout, wherever trainctl runs from.
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         node.proc = self._popen(self.plan.command(self.endpoint), node.log, env)
-        node.started, node.code, node.workers = time.monotonic(), None, set()
+        node.started, node.code = time.monotonic(), None
 
-    def _watch_workers(self, node: Node) -> None:
-        """Remember the agent's workers (its children), to make sure at the end that none is left."""
-        for task in Path(f"/proc/{node.proc.pid}/task").glob("*"):
+    @staticmethod
+    def _children(pid: int) -> set[int]:
+        """An agent's workers now: its children, whichever of its threads started them (Linux's /proc)."""
+        found: set[int] = set()
+        for task in Path(f"/proc/{pid}/task").glob("*"):
             with contextlib.suppress(OSError, ValueError):
-                node.workers.update(int(pid) for pid in (task / "children").read_text().split())
+                found.update(int(child) for child in (task / "children").read_text().split())
+        return found
 
     def stop_all(self) -> None:
         """SIGTERM to every agent (its workers checkpoint), SIGKILL after STOP_GRACE_S or a second Ctrl-C; then etcd."""
@@ -383,15 +385,19 @@ class LocalRun:
         deadline = time.monotonic() + STOP_GRACE_S
         while any(n.proc.poll() is None for n in running) and time.monotonic() < deadline and self.stop_requested < 2:
             time.sleep(0.1)
+        workers: set[int] = set()
         for node in self.nodes:
             if node.proc is not None:
                 if node.proc.poll() is None:
+                    # The workers are in a session of their own: SIGKILLed with their agent, not through its group.
+                    node_workers = self._children(node.proc.pid)
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(node.proc.pid, signal.SIGKILL)
+                    for pid in node_workers:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                    workers |= node_workers
                 node.proc.wait()
-                for pid in node.workers:  # in a session of their own; they die with their agent
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
         if self.etcd is not None and self.etcd.poll() is None:
             self.etcd.terminate()
             try:
@@ -400,7 +406,7 @@ class LocalRun:
                 self.etcd.kill()
                 self.etcd.wait()
         deadline = time.monotonic() + 10
-        while any(alive(pid) for n in self.nodes for pid in n.workers) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.05)
 
     # the run
@@ -439,8 +445,13 @@ class LocalRun:
         finally:
             self.stop_all()
             self._drain_events()
-            if self.state.get("phase") == "Running":
+            for node in self.nodes:  # how the agents stopped above ended
+                if node.proc is not None and node.code is None:
+                    node.code = node.proc.returncode
+            if self.state.get("phase") == "Running":  # an error of trainctl's own ended the run
                 self._save("Failed", 1)
+            elif "phase" in self.state:  # not when etcd failed to start: nothing ran
+                self._save(self.state["phase"], self.state["exit_code"])
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -477,7 +488,6 @@ class LocalRun:
             for node in self.nodes:
                 if node.proc is None or node.code is not None:
                     continue
-                self._watch_workers(node)
                 code = node.proc.poll()
                 if code is None:
                     continue
