@@ -54,6 +54,9 @@ ELSEWHERE = {
     ".venv/bin/trainctl list": NEEDS_AWS + " (tests/test_trainctl_cli.py)",
     ".venv/bin/trainctl cancel resnet50-imagenet": NEEDS_AWS + " (tests/test_trainctl_cli.py)",
     "trainctl cancel --all": NEEDS_AWS + " (tests/test_operator_safety.py)",
+    ".venv/bin/trainctl submit k8s_charts/examples/local/mlp-elastic.yaml --backend local":
+        "runs offline, for a minute or more: tests/test_local_runs.py runs this example with --backend local and "
+        "kill -9's a node",
     "REPO=$(aws cloudformation describe-stacks --stack-name <name_prefix>-registry": NEEDS_AWS,
     "aws ecr get-login-password | docker login --username AWS --password-stdin ${REPO%%/*}":
         NEEDS_AWS + " and a Docker engine",

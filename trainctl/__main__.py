@@ -115,8 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
                                             help="text for people (default), json or yaml for scripts")
     for name in JOB_COMMANDS:
         commands.choices[name].add_argument(
-            "--backend", choices=("eks", "batch"), default="eks",
-            help="eks (Volcano on the cluster, elastic) or batch (AWS Batch multi-node parallel, fixed size)")
+            "--backend", choices=("eks", "batch", "local"), default="eks",
+            help="eks (Volcano on the cluster, elastic), batch (AWS Batch multi-node parallel, fixed size) or "
+                 "local (this machine, CPU, a real etcd and agents: trainctl.local)")
+        commands.choices[name].add_argument("--workdir", type=Path,
+                                            help="--backend local: its folder (default ~/.cache/trainctl-local)")
+    local = commands.choices["submit"].add_argument_group("--backend local")
+    local.add_argument("--nodes", type=int, help="agents to start (default: max_nodes, as many as fit this machine)")
+    local.add_argument("--nproc-per-node", type=int, help="CPU workers per agent (default 1)")
     completion = commands.add_parser("completion", help="print a shell completion script",
                                      description="eval \"$(trainctl completion bash)\" in ~/.bashrc, or zsh / tcsh")
     completion.add_argument("shell", choices=("bash", "zsh", "tcsh"))
@@ -183,6 +189,8 @@ def header(args, config, source: ConfigSource) -> str:
         return f"{line}; {account}, {config.region}"
     if backend == "batch":
         return f"{line}; AWS Batch in {config.region}"
+    if backend == "local":
+        return f"{line}; this machine (--backend local, CPU)"
     cluster = f"kubeconfig context {args.context}" if args.context else (
         f"cluster {config.name_prefix} in {config.region}")
     verb = "for " if args.command == "render" else ""
@@ -213,6 +221,15 @@ def run(args, config) -> int:
     if args.command == "render":
         print(render_text(config, load_job_spec(args.job, config), args.nccl_check), end="")
         return 0
+    if getattr(args, "backend", "eks") == "local":
+        from trainctl import local
+
+        return local.run(args, config)
+    if any(getattr(args, option, None) is not None for option in ("workdir", "nodes", "nproc_per_node")):
+        from trainctl.errors import UserError
+
+        raise UserError(f"--backend {args.backend}: got --workdir, --nodes or --nproc-per-node",
+                        "allowed with --backend local only")
     if getattr(args, "backend", "eks") == "batch":
         return batch(args, config)
     if args.command == "submit":
