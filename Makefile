@@ -37,10 +37,12 @@ TEST_STAMP := $(VENV)/.installed-test
 # checkov's own pins conflict with the project's lock: it gets a venv of its own.
 CHECKOV_VENV := .venv-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
+XLA_VENV := .venv-xla
+XLA_STAMP := $(XLA_VENV)/.installed
 NODE_STAMP := node_modules/.installed
 DEB_PACKAGES := etcd-server
 
-.PHONY: synth test test-fast setup-deploy setup-test system-packages benchmark lock clean
+.PHONY: synth test test-fast test-xla setup-deploy setup-test system-packages benchmark lock clean
 
 # Synthesize into a staging folder and swap it in only on success: a bad config leaves
 # the previous cdk.out as it was, and a removed stack leaves no stale template behind.
@@ -53,6 +55,12 @@ synth: setup-deploy
 
 test: setup-test
 	$(PY) -m pytest
+
+# The trainer's Neuron path (train.device=neuron: torch_xla, the xla process group) on torch-xla's
+# CPU device, in an environment of its own with the Neuron image's torch (requirements-xla.txt).
+# tests/conftest.py is left out: it imports the deploy side (CDK), which this environment has not.
+test-xla: $(XLA_STAMP)
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest --noconftest -m xla tests/test_xla_training.py
 
 # The unit tests, the snapshots and the lint, without real agents, etcd clusters or training
 # runs: under two minutes on 2 cores. `make test` still runs everything.
@@ -82,6 +90,11 @@ $(TEST_STAMP): $(DEPLOY_STAMP) requirements-dev.txt training/requirements.txt co
 $(CHECKOV_STAMP): requirements-checkov.txt
 	$(PYTHON) -m venv $(CHECKOV_VENV)
 	$(REGISTRY_ONLY) $(CHECKOV_VENV)/bin/python -m pip install --quiet -r requirements-checkov.txt
+	touch $@
+
+$(XLA_STAMP): requirements-xla.txt constraints.txt
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(REGISTRY_ONLY) $(XLA_VENV)/bin/python -m pip install --quiet -r requirements-xla.txt -c constraints.txt
 	touch $@
 
 $(NODE_STAMP): package.json package-lock.json
