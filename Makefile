@@ -44,10 +44,12 @@ TEST_STAMP := $(VENV)/.installed-test
 # checkov's own pins conflict with the project's lock: it gets a venv of its own.
 CHECKOV_VENV := .venv-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
+XLA_VENV := .venv-xla
+XLA_STAMP := $(XLA_VENV)/.installed
 NODE_STAMP := node_modules/.installed
 DEB_PACKAGES := etcd-server
 
-.PHONY: synth diff-offline test test-fast setup-deploy setup-test system-packages benchmark lock clean
+.PHONY: synth diff-offline test test-fast test-xla setup-deploy setup-test system-packages benchmark lock clean
 
 # Render and synthesize into staging folders and swap both in only when both succeeded: a bad
 # config or job spec leaves cdk.out and dist as they were (never one new and one stale), and a
@@ -78,6 +80,12 @@ diff-offline: synth
 test: setup-test
 	$(PY) -m pytest
 
+# The trainer's Neuron path (train.device=neuron: torch_xla, the xla process group) on torch-xla's
+# CPU device, in an environment of its own with the Neuron image's torch (requirements-xla.txt).
+# tests/conftest.py is left out: it imports the deploy side (CDK), which this environment has not.
+test-xla: $(XLA_STAMP)
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest --noconftest -m xla tests/test_xla_training.py
+
 # The unit tests, the snapshots and the lint, without real agents, etcd clusters or training
 # runs: under two minutes on 2 cores. `make test` still runs everything.
 test-fast: setup-test
@@ -106,6 +114,11 @@ $(TEST_STAMP): $(DEPLOY_STAMP) requirements-dev.txt training/requirements.txt co
 $(CHECKOV_STAMP): requirements-checkov.txt
 	$(PYTHON) -m venv $(CHECKOV_VENV)
 	$(REGISTRY_ONLY) $(CHECKOV_VENV)/bin/python -m pip install --quiet -r requirements-checkov.txt
+	touch $@
+
+$(XLA_STAMP): requirements-xla.txt constraints.txt
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(REGISTRY_ONLY) $(XLA_VENV)/bin/python -m pip install --quiet -r requirements-xla.txt -c constraints.txt
 	touch $@
 
 $(NODE_STAMP): package.json package-lock.json

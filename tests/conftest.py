@@ -153,7 +153,7 @@ SLOW_MODULES = {
     "test_recipe_training",
     "test_rendezvous_v3", "test_resume_safety", "test_slow_checkpoint_io", "test_stage_data", "test_stop_budget",
     "test_stop_signals", "test_synth_offline", "test_throughput_benchmark", "test_trainctl_cli",
-    "test_trainer_metrics", "test_trainer_output", "test_worker_lifecycle",
+    "test_trainer_metrics", "test_trainer_output", "test_worker_lifecycle", "test_xla_training",
 }
 
 

@@ -20,7 +20,8 @@ def _requirement_lines(name: str) -> list[str]:
     return [line for line in lines if line]
 
 
-@pytest.mark.parametrize("name", ["requirements.txt", "requirements-dev.txt", "training/requirements.txt"])
+@pytest.mark.parametrize("name", ["requirements.txt", "requirements-dev.txt", "training/requirements.txt",
+                                  "requirements-xla.txt"])
 def test_every_python_requirement_is_pinned(name):
     for line in _requirement_lines(name):
         if not line.startswith("-r "):

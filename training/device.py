@@ -115,6 +115,14 @@ class Runtime:
         device_type = "cpu" if self.kind == "cpu" else ("xla" if self.kind == "neuron" else "cuda")
         return torch.autocast(device_type=device_type, dtype=dtype)
 
+    @property
+    def collective_device(self) -> torch.device:
+        """Where the process group's collectives take their tensors: host memory for gloo; the
+        device for NCCL and for the ``xla`` group, whose every collective is an op of the XLA
+        graph on device tensors (torch_xla 2.8.0 torch_xla/distributed/xla_backend.py,
+        ProcessGroupXla: ``xm.all_reduce``, ``xm.collective_broadcast``, ``xm.all_gather``)."""
+        return torch.device("cpu") if self.backend == "gloo" else self.device
+
     def synchronize(self) -> None:
         if self.kind == "cuda":
             torch.cuda.synchronize(self.device)

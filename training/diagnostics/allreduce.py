@@ -128,8 +128,7 @@ def run_sweep(min_bytes: int, max_bytes: int, iterations: int, warmup: int, requ
                 str(part) for part in nccl_transport(nccl_log.read_text()))
         except TransportError as exc:
             failure = str(exc)
-    (failed_somewhere,) = elastic.any_rank(failure is not None, device=runtime.device if runtime.backend == "nccl"
-                                           else torch.device("cpu"))
+    (failed_somewhere,) = elastic.any_rank(failure is not None, device=runtime.collective_device)
     if rank == 0:
         print(format_table(rows, world_size, transport), flush=True)
         if json_path:

@@ -9,6 +9,7 @@ than one bucket beyond the state itself.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,5 +91,33 @@ def broadcast_state(state: Any, device: torch.device, src: int = 0, bucket_bytes
         if not sending:
             for i, part in zip(members, torch.split(flat, sizes), strict=True):
                 received[i] = part.view(specs[i][1])  # views of the bucket: no second copy
+                if device.type == "xla":
+                    # An XLA view stays one: every in-place update of it (the optimizer's, of a
+                    # state loaded from it) then also updates its bucket, in each step's graph.
+                    received[i] = received[i].clone()
         del flat
     return state if sending else _fill(skeleton, received)
+
+
+def all_gather_objects(obj: Any, device: torch.device) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank, through tensors on ``device``.
+
+    For the ``xla`` group, where torch's object collectives fail: ProcessGroupXla has no
+    ``gather`` (it raises NotImplementedError, torch_xla 2.8.0 torch_xla/distributed/xla_backend.py),
+    and ``all_gather_object`` puts its tensors on the host, which the xla group does not take
+    (torch 2.8.0 torch/distributed/distributed_c10d.py, ``_get_object_coll_device``). The same
+    steps as torch's ``all_gather_object``, with the device named: the sizes, then the pickles
+    padded to the longest.
+    """
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    world = dist.get_world_size()
+    size = torch.tensor([data.numel()], dtype=torch.long, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    lengths = [int(n) for n in torch.cat(sizes).tolist()]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    padded = padded.to(device)
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    return [pickle.loads(part.cpu()[:length].numpy().tobytes()) for part, length in zip(gathered, lengths, strict=True)]

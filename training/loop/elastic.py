@@ -338,9 +338,35 @@ class DeviceFlags:
         return buffers.receive.tolist()
 
 
-def flag_transport(device: torch.device) -> HostFlags | DeviceFlags:
+class LazyFlags:
+    """The flags of the ``xla`` group, whose all-reduce is an op of the XLA graph on a device tensor
+    (torch_xla 2.8.0 torch_xla/distributed/xla_backend.py, ProcessGroupXla.allreduce: ``xm.all_reduce``).
+    Nothing runs when it is called: the step's ``mark_step`` runs it with the step's graph, and
+    reading ``reduce`` a step later finds it done; read before that, XLA runs it then."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def buffers(self, count: int) -> FlagBuffers:
+        value = torch.zeros(count, device=self.device)
+        return FlagBuffers(send=torch.zeros(count), reduce=value, receive=value)
+
+    def to_device(self, buffers: FlagBuffers) -> None:
+        buffers.reduce.copy_(buffers.send)
+
+    def after_reduce(self, work: Any, buffers: FlagBuffers) -> Any:
+        return work
+
+    def read_when_ready(self, work: Any, buffers: FlagBuffers) -> list[float]:
+        work.wait()
+        return buffers.receive.tolist()
+
+
+def flag_transport(device: torch.device) -> HostFlags | DeviceFlags | LazyFlags:
     """How the agreement's flags reach a group that reduces on ``device``."""
-    return DeviceFlags(device) if device.type == "cuda" else HostFlags()
+    if device.type == "cuda":
+        return DeviceFlags(device)
+    return LazyFlags(device) if device.type == "xla" else HostFlags()
 
 
 class LaggedAgreement:
@@ -357,7 +383,7 @@ class LaggedAgreement:
     has read them, so a copy still queued never reads a buffer the host is rewriting.
     """
 
-    def __init__(self, device: torch.device, transport: HostFlags | DeviceFlags | None = None) -> None:
+    def __init__(self, device: torch.device, transport: HostFlags | DeviceFlags | LazyFlags | None = None) -> None:
         self.device = device
         self.transport = transport or flag_transport(device)
         self._buffers: list[FlagBuffers] = []

@@ -87,8 +87,8 @@ class Evaluator:
         self.masked_lm = config.model.is_masked_lm
         self.batch_size = eval_batch_size(config)
         self.every_steps = config.eval.every_steps
-        # Where the table is all-reduced: NCCL reduces device tensors, gloo host ones.
-        self.table_device = runtime.device if runtime.backend == "nccl" else torch.device("cpu")
+        # Where the table is all-reduced: NCCL and the xla group reduce device tensors, gloo host ones.
+        self.table_device = runtime.collective_device
 
     @classmethod
     def build(cls, config: TrainConfig, runtime: Runtime, module: nn.Module, train_set: Dataset,

@@ -65,6 +65,17 @@ def file_bytes(paths: Iterable) -> int:
     return total
 
 
+def xla_barrier(device: torch.device) -> Callable[[], None]:
+    """A barrier for the ``xla`` group, whose own ``barrier`` returns at once without waiting for
+    anyone (torch_xla 2.8.0 torch_xla/distributed/xla_backend.py, ProcessGroupXla.barrier): an
+    all-reduce of one number, read back, which XLA runs, with every rank, when it is read."""
+    def barrier() -> None:
+        token = torch.zeros(1, device=device)
+        dist.all_reduce(token)
+        token.cpu()
+    return barrier
+
+
 class RankZeroIO:
     """Runs rank 0's checkpoint I/O with the other ranks waiting for it in the store, not in a collective.
 
@@ -82,15 +93,17 @@ class RankZeroIO:
         self._count = 0
 
     @classmethod
-    def for_group(cls, prefix: str, min_throughput_mb_s: float) -> "RankZeroIO":
+    def for_group(cls, prefix: str, min_throughput_mb_s: float, device: torch.device | None = None) -> "RankZeroIO":
         """With the process group's store; without a group, rank 0 alone (nobody waits).
+        ``device`` is where the group's collectives take their tensors (Runtime.collective_device).
 
         torch has no public getter for the default group's store; ``_get_default_store`` is the
         one torch's own c10d code uses (torch 2.13 torch/distributed/distributed_c10d.py).
         """
         if not dist.is_initialized():
             return cls(0, None, prefix, min_throughput_mb_s)
-        return cls(dist.get_rank(), dist.distributed_c10d._get_default_store(), prefix, min_throughput_mb_s)
+        barrier = xla_barrier(device) if device is not None and device.type == "xla" else dist.barrier
+        return cls(dist.get_rank(), dist.distributed_c10d._get_default_store(), prefix, min_throughput_mb_s, barrier)
 
     def run(self, what: str, size: Callable[[], int], work: Callable[[], T]) -> T | None:
         """Rank 0: announce ``size()`` bytes, run ``work`` (its result is returned), say how it ended.

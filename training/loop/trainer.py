@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from training.loop import elastic
 from training.data.batch_slots import BatchSlots, slot_count
-from training.loop.broadcast import broadcast_state
+from training.loop.broadcast import all_gather_objects, broadcast_state
 from training.loop.checkpoint import CheckpointError, CheckpointManager
 from training.config import TrainConfig
 from training.contract import (
@@ -133,12 +133,13 @@ class Trainer:
         self._saved_step: int | None = None
         self._bad_pending = 0  # samples skipped on this rank since the last count across ranks
         self._nonfinite: Tensor | None = None  # single process: a non-finite loss seen since the last check
-        self.agreement = elastic.LaggedAgreement(self._flag_device())
+        self.agreement = elastic.LaggedAgreement(self.runtime.collective_device)
         self._hold = False  # several ranks: all wait, at this step, for rank 0's write in flight
         # Agreed before the resume: it names this round's keys in the store that the other ranks
         # wait in while rank 0 reads or writes a checkpoint.
         self.attempt = self._agree_on_attempt_id()
-        self.rank_zero_io = RankZeroIO.for_group(f"checkpoint-io/{self.attempt}", checkpoint.min_throughput_mb_s)
+        self.rank_zero_io = RankZeroIO.for_group(f"checkpoint-io/{self.attempt}", checkpoint.min_throughput_mb_s,
+                                                 self.runtime.collective_device)
         resume_event = self._resume()
         self.checkpointer.policy.durable_step = self.progress.step
         self.first_step = self.progress.step
@@ -197,13 +198,17 @@ class Trainer:
                            self.config.checkpoint.if_unusable)) or {}
         summary = [{key: value for key, value in decision.items() if key != "state"}]
         if self.distributed:
-            dist.broadcast_object_list(summary, src=0)
+            # The device named: without one, torch picks the host for a group that names no device
+            # type of its own, as ProcessGroupXla, a Python ProcessGroup, does not (torch 2.8.0
+            # torch/distributed/distributed_c10d.py, _get_object_coll_device), and the xla group
+            # takes no host tensor.
+            dist.broadcast_object_list(summary, src=0, device=self.runtime.collective_device)
         summary = summary[0]
         if summary["kind"] == "refuse":
             raise CheckpointError(summary["message"])
         if summary["kind"] == "fresh":
             return {"set_aside": summary["set_aside"]} if "set_aside" in summary else {}
-        state = TrainState.from_state_dict(broadcast_state(decision.get("state"), self._flag_device()))
+        state = TrainState.from_state_dict(broadcast_state(decision.get("state"), self.runtime.collective_device))
         self.module.load_state_dict(state.model)
         load_optimizer_state(self.optimizer, state.optimizer, self.module)
         if self.scaler.is_enabled() and state.scaler:
@@ -228,7 +233,7 @@ class Trainer:
     def _agree_on_attempt_id(self) -> str:
         attempt = [uuid.uuid4().hex[:12]]
         if self.distributed:
-            dist.broadcast_object_list(attempt, src=0)
+            dist.broadcast_object_list(attempt, src=0, device=self.runtime.collective_device)
         return attempt[0]
 
     def _open_sample_log(self):
@@ -406,9 +411,6 @@ class Trainer:
         max_steps = self.config.train.max_steps
         return max_steps is not None and self.progress.step >= max_steps
 
-    def _flag_device(self) -> torch.device:
-        return self.runtime.device if self.runtime.backend == "nccl" else torch.device("cpu")
-
     def _agree(self, loss: Tensor) -> tuple[bool, bool, bool]:
         """Stop? Spot notice? Save now? And is the loss finite? All in the step's one tiny all-reduce.
 
@@ -550,7 +552,7 @@ class Trainer:
         if reduced_pending is None:
             reduced_pending = float(self._bad_pending)
             if self.distributed:
-                total = torch.tensor([reduced_pending], device=self._flag_device())
+                total = torch.tensor([reduced_pending], device=self.runtime.collective_device)
                 dist.all_reduce(total)
                 reduced_pending = float(total.item())
         self._bad_pending = 0
@@ -618,7 +620,9 @@ class Trainer:
         self._saved_step = self.progress.step
         rng = rng_state()
         states = [None] * self.world_size if self.rank == 0 else None
-        if self.distributed:
+        if self.distributed and self.runtime.backend == "xla":
+            states = all_gather_objects(rng, self.runtime.collective_device)  # ProcessGroupXla has no gather
+        elif self.distributed:
             dist.gather_object(rng, states, dst=0)
         else:
             states = [rng]
