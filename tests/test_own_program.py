@@ -56,6 +56,20 @@ def image(tmp_path_factory) -> dict[str, Path]:
     return {"python": python, "program": Path(program), "volume": volume, "workspace": root / "workspace"}
 
 
+def test_the_injected_launcher_needs_only_torch_and_the_standard_library(image):
+    """What the copy holds imports nothing but torch, the standard library and itself (no python-etcd,
+    no pydantic, no yaml): the modules a pod's launcher imports, after torch's own."""
+    probe = ("import sys, torch, torch.distributed.run, torch.distributed.elastic.agent.server.local_elastic_agent\n"
+             "before = {m.split('.')[0] for m in sys.modules}\n"
+             f"sys.path.insert(0, {str(image['volume'])!r})\n"
+             "import training.launcher.main, training.launcher.agent, training.launcher.rendezvous\n"
+             "new = {m.split('.')[0] for m in sys.modules} - before - set(sys.stdlib_module_names)\n"
+             "print(sorted(new), training.__file__)")
+    found = subprocess.run([str(image["python"]), "-c", probe], cwd=image["workspace"], capture_output=True,
+                           text=True, check=True).stdout.split()
+    assert found[0] == "['training']" and found[1].startswith(str(image["volume"]))
+
+
 def agent(name: str, etcd: str, run_id: str, work: Path, image: dict, *, max_nodes: int, step_seconds: float
           ) -> Agent:
     command = launch_command(
