@@ -447,6 +447,21 @@ class VersionsConfig(StrictModel):
         return v
 
 
+# A container image as the platform's pods name it: a registry host, then repository path
+# components, then a tag or a digest. Path components are lowercase letters and digits joined by
+# ".", "_", "__" or dashes; only the host and the tag may have capitals (the reference grammar:
+# distribution/reference regexp.go, v0.6.0). Kubernetes passes an image name with capitals to the
+# runtime, whose pull fails: the job would wait in ErrImagePull. Never :latest.
+IMAGE_PATTERN = re.compile(r"^[A-Za-z0-9.-]+(:\d+)?(/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)+"
+                           r"(:[\w][\w.-]{0,127}|@sha256:[0-9a-f]{64})$")
+IMAGE_HELP = ("an image pinned by tag or digest, its repository in lowercase, "
+              "e.g. 123456789012.dkr.ecr.us-west-2.amazonaws.com/trainer:gpu-0.1.0 (not :latest)")
+
+
+def pinned_image(value: str) -> bool:
+    return bool(IMAGE_PATTERN.match(value)) and not value.endswith(":latest")
+
+
 # A Kubernetes object name (RFC 1123 label), for the config and the job spec alike.
 K8S_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 K8S_NAME_HELP = "a Kubernetes name: lowercase letters, digits and '-', at most 63"
@@ -488,6 +503,17 @@ class JobsConfig(StrictModel):
     etcd: EtcdConfig = EtcdConfig()
     # Finished Volcano jobs and their pods are deleted after this many seconds.
     ttl_seconds_after_finished: int = Field(default=86_400, ge=0)
+    # The platform's launcher for jobs that run a program of their own in their own image
+    # (docs/job-spec.md, "Your own torchrun program"): an image with training/launcher under /app, e.g. the
+    # trainer image or the small one of training/docker/Dockerfile.launcher. None: such jobs are refused.
+    launcher_image: str | None = None
+
+    @field_validator("launcher_image")
+    @classmethod
+    def _pinned(cls, v: str | None) -> str | None:
+        if v is not None and not pinned_image(v):
+            raise FieldProblem("", v, IMAGE_HELP)
+        return v
 
 
 AccountId = Annotated[str, Field(pattern=r"^\d{12}$")]

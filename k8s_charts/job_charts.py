@@ -21,7 +21,8 @@ from k8s_charts.pods import (
 from k8s_charts.volcano import Action, Event, LifecyclePolicy, VolcanoJob, VolcanoTask
 from training.contract import (
     DATASETS_DIR, FSX_MOUNT, EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, LAUNCH_ENVIRONMENT,
-    PLATFORM_TUNING, SPOT_NOTICE_ENV, TRAINER_MODULE, cache_dir, client_tls_environment, launch_command,
+    LAUNCHER_ENTRY, LAUNCHER_MOUNT, PLATFORM_APP_DIR, PLATFORM_TUNING, SPOT_NOTICE_ENV, TRAINER_MODULE, cache_dir,
+    client_tls_environment, launch_command, launcher_copy_command,
 )
 
 # Kept free on every node for the kubelet, the OS and the platform's DaemonSets.
@@ -200,22 +201,48 @@ def _downward_env() -> list[dict]:
 RDZV_ID = "$(PODGROUP)-v$(JOB_VERSION)"  # the kubelet expands both from the container's env
 
 
-def pod_command(spec: JobSpec, config: PlatformConfig, subcommand: list[str]) -> list[str]:
-    """The launcher's command for this job (training.contract.launch_command), then the subcommand's args."""
-    command = launch_command(
+def pod_command(spec: JobSpec, config: PlatformConfig, program: list[str]) -> list[str]:
+    """The launcher's command for this job (training.contract.launch_command) running ``program``; a
+    job's own program runs under the launcher injected into its image (:func:`launcher_container`)."""
+    return launch_command(
         min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, nproc_per_node=spec.nproc_per_node(config),
         endpoint=etcd_endpoint(config), run_id=RDZV_ID, max_restarts=spec.max_restarts, local_addr="$(POD_IP)",
         grace_period_s=TERMINATION_GRACE_SECONDS,
         tuning=replace(PLATFORM_TUNING, scale_up_after_s=spec.scale_up_after_s),
+        program=program, launcher=LAUNCHER_ENTRY if spec.program is not None else None,
     )
-    return [*command[:-1], *subcommand]  # launch_command ends with the "train" subcommand
+
+
+# The launcher's volume: a few hundred KB of Python files.
+LAUNCHER_VOLUME = {"name": "platform-launcher", "emptyDir": {"sizeLimit": "64Mi"}}
+
+
+def launcher_container(image: str) -> dict:
+    """An init container that copies the platform's launcher (training.contract.LAUNCHER_PACKAGE)
+    from the platform's image into the pod's launcher volume, for a job whose image lacks it.
+
+    Why an init container: the user's image stays as built (no rebuild, no layer of ours), the
+    launcher is the one of the platform's image the config names (it speaks this platform's
+    rendezvous), and the copy is per pod, so nothing is shared or left behind on a node or on FSx.
+    It runs as the pods' user with no capability, like the trainer; the trainer mounts the volume
+    read-only.
+    """
+    return {
+        "name": "platform-launcher",
+        "image": image,
+        "command": launcher_copy_command(LAUNCHER_MOUNT),
+        "workingDir": PLATFORM_APP_DIR,
+        "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "64Mi"}},
+        "volumeMounts": [{"name": LAUNCHER_VOLUME["name"], "mountPath": LAUNCHER_MOUNT}],
+        "securityContext": restricted_pod_security()[1],
+    }
 
 
 class _VolcanoJobChart(Chart):
     """A Volcano Job of min..max identical pods, one per node, running torchrun."""
 
     def __init__(self, scope: Construct, id: str, config: PlatformConfig, spec: JobSpec, name: str,
-                 trainer: list[str], policies: list[LifecyclePolicy], max_retry: int, writable_dirs: list[str] = (),
+                 program: list[str], policies: list[LifecyclePolicy], max_retry: int, writable_dirs: list[str] = (),
                  extra_env: dict[str, str] | None = None):
         super().__init__(scope, id)
         group = spec.group(config)
@@ -228,24 +255,32 @@ class _VolcanoJobChart(Chart):
         env = {**nccl_environment(efa, rdma=instance.efa_rdma),
                **cache_environment(spec, config), **LAUNCH_ENVIRONMENT, **client_tls_environment(),
                "OMP_NUM_THREADS": "1",
-               **spot_environment(group), **(extra_env or {}), **spec.env}
+               **spot_environment(group), **spec.program_environment(), **(extra_env or {}), **spec.env}
         labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "training-platform"}
         pod_security, container_security = restricted_pod_security()
+        # A job's own program runs in its own image: the platform's image (config.jobs.launcher_image)
+        # brings the launcher, and sets up the job's directories, which the user's image may lack the tools for.
+        own_program = spec.program is not None
+        platform_image = config.jobs.launcher_image if own_program else spec.image
+        launcher_mounts = [{"name": LAUNCHER_VOLUME["name"], "mountPath": LAUNCHER_MOUNT, "readOnly": True}
+                           ] if own_program else []
         container = {
             "name": "trainer",
             "image": spec.image,
             # The kubelet expands $(POD_IP), $(PODGROUP) and $(JOB_VERSION) from the env; no shell.
-            "command": pod_command(spec, config, trainer),
+            "command": pod_command(spec, config, program),
             "env": _downward_env() + _env(env),
             "resources": resources,
-            "volumeMounts": [*mounts, tls_mount],
+            "volumeMounts": [*mounts, tls_mount, *launcher_mounts],
             # No capability: EFA, NVIDIA and Neuron device files are opened through the device
             # plugins' cgroup grants, and EFA's pinned memory is bounded by the node's memlock
             # limit, not by CAP_IPC_LOCK (the same holds for root in a container, which has no
             # IPC_LOCK either).
             "securityContext": container_security,
         }
-        init_containers = [writable_dirs_container(spec.image, writable_dirs, mounts)] if writable_dirs else []
+        init_containers = [writable_dirs_container(platform_image, writable_dirs, mounts)] if writable_dirs else []
+        if own_program:
+            init_containers.append(launcher_container(platform_image))
         skips = {**WORKER_SKIPS, **(WRITABLE_DIRS_SKIPS if writable_dirs else {}), **VOLCANO_LAYOUT_SKIPS}
         pod = PodTemplate(
             labels=labels, annotations=dict(SAFE_TO_EVICT),
@@ -257,7 +292,7 @@ class _VolcanoJobChart(Chart):
             tolerations=[Toleration(instance.taint_key), *lost_node_tolerations(LOST_NODE_TOLERATION_SECONDS)],
             init_containers=init_containers,
             containers=[container],
-            volumes=[*volumes, tls_volume],
+            volumes=[*volumes, tls_volume, *([LAUNCHER_VOLUME] if own_program else [])],
             fields=TRAINING_POD_FIELDS,
         )
         job = VolcanoJob(
@@ -302,10 +337,10 @@ def writable_dirs_container(image: str, directories: list[str], mounts: list[dic
 
 
 class TrainingJobChart(_VolcanoJobChart):
-    """The elastic training job: ``torchrun ... -m training train <the spec's trainer args>``."""
+    """The elastic training job: ``torchrun ... -m training train <the spec's trainer args>``, or the job's own program."""
 
     def __init__(self, scope: Construct, id: str, config: PlatformConfig, spec: JobSpec):
-        super().__init__(scope, id, config, spec, spec.name, ["train", *spec.trainer_flags(config)],
+        super().__init__(scope, id, config, spec, spec.name, spec.program_arguments(config),
                          policies=job_policies(), max_retry=VOLCANO_MAX_RETRY,
                          writable_dirs=[spec.checkpoint_dir(), spec.staging_dir(), cache_dir(spec.name)])
 
@@ -321,10 +356,14 @@ class NcclCheckChart(_VolcanoJobChart):
         sweep = ["allreduce-bench", "--max-bytes=2147483648"]
         if spec.efa_devices(config):
             sweep.append("--require-efa")
-        check = spec.model_copy(update={"name": f"{spec.name}-nccl", "min_nodes": spec.max_nodes, "max_restarts": 0})
+        # A job with its own program is checked with the platform's image (its launcher image), which has the sweep.
+        image = config.jobs.launcher_image if spec.program is not None else spec.image
+        check = spec.model_copy(update={"name": f"{spec.name}-nccl", "min_nodes": spec.max_nodes, "max_restarts": 0,
+                                        "program": None, "image": image})
         # maxRetry 1, not 0: Volcano's mutating webhook turns 0 into 3 (mutate_job.go
         # patchDefaultMaxRetry, v1.15.1). With the policies no restart is ever asked for anyway.
-        super().__init__(scope, id, config, check, check.name, sweep, policies=nccl_check_policies(), max_retry=1)
+        super().__init__(scope, id, config, check, check.name, ["-m", TRAINER_MODULE, *sweep],
+                         policies=nccl_check_policies(), max_retry=1)
 
 
 class DataPrepChart(Chart):

@@ -16,9 +16,11 @@ from pydantic import Field, ValidationInfo, model_validator
 
 from config import AcceleratedNodeGroupConfig, PlatformConfig
 from config.catalog import Accelerator
-from config.model import K8S_NAME_HELP, K8S_NAME_PATTERN, K8sName
+from config.model import IMAGE_HELP, K8S_NAME_HELP, K8S_NAME_PATTERN, K8sName, pinned_image
 from training.config import check_overrides
-from training.contract import FSX_MOUNT, PLATFORM_TUNING, checkpoint_dir, staging_dir
+from training.contract import (
+    CHECKPOINT_DIR_ENV, FSX_MOUNT, PLATFORM_TUNING, TRAINER_PROGRAM, checkpoint_dir, program_arguments, staging_dir,
+)
 from typed_config import ConfigError, FieldProblem, StrictModel, raise_problems, read_yaml_mapping, validate
 
 # GPU jobs: a peer that stops answering fails the step after this long (the post-warm-up
@@ -32,12 +34,34 @@ _PATTERN_HELP = {
     r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$": "lowercase letters, digits and '-', starting with a letter, at most 40",
     K8S_NAME_PATTERN: K8S_NAME_HELP,
 }
-# A registry host, then repository path components, then a tag or a digest. Path components are
-# lowercase letters and digits joined by ".", "_", "__" or dashes; only the host and the tag may have
-# capitals (the reference grammar: distribution/reference regexp.go, v0.6.0). Kubernetes passes an
-# image name with capitals to the runtime, whose pull fails: the job would wait in ErrImagePull.
-_IMAGE = re.compile(r"^[A-Za-z0-9.-]+(:\d+)?(/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)+"
-                    r"(:[\w][\w.-]{0,127}|@sha256:[0-9a-f]{64})$")
+# A module torchrun runs with -m: dotted Python identifiers (ASCII, as module file names on an image are).
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+# Fields of the packaged trainer that a job running its own program cannot use.
+_TRAINER_FIELDS = ("trainer_args", "trainer_config", "dataset_path")
+
+
+class Program(StrictModel):
+    """A torchrun program of the job's own, in its own image, run instead of the packaged trainer
+    (docs/job-spec.md, "Your own torchrun program"): exactly one of ``module`` and ``script``, and its arguments."""
+
+    module: str | None = None  # python -m <module>, e.g. torchtitan.train
+    script: str | None = None  # an absolute path inside the image, e.g. /workspace/train.py
+    args: list[str] = []
+
+    def problems(self) -> list[FieldProblem]:
+        if (self.module is None) == (self.script is None):
+            value = {"module": self.module, "script": self.script}
+            return [FieldProblem("program", value, "exactly one of program.module (python -m) and program.script")]
+        if self.module is not None and not _MODULE.match(self.module):
+            return [FieldProblem("program.module", self.module, "a dotted Python module name, e.g. torchtitan.train")]
+        if self.script is not None and (not self.script.startswith("/") or ".." in self.script.split("/")
+                                        or self.script.endswith("/")):
+            return [FieldProblem("program.script", self.script, "an absolute path to a file inside the image, "
+                                 "without '..', e.g. /workspace/train.py")]
+        return []
+
+    def arguments(self) -> list[str]:
+        return program_arguments(module=self.module, script=self.script, args=self.args)
 
 
 class JobSpec(StrictModel):
@@ -65,15 +89,15 @@ class JobSpec(StrictModel):
     queue: K8sName | None = None  # default: the platform's queue (trainctl submit checks the cluster has it)
     priority_class: K8sName | None = None  # default: the platform's PriorityClass (likewise)
     env: dict[str, str] = {}
+    # None: the packaged trainer (-m training train with trainer_args) in the platform's image.
+    program: Program | None = None
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo):
         """Every rule is checked before any is reported: one run lists all of a spec's mistakes."""
         problems: list[FieldProblem] = []
-        if not _IMAGE.match(self.image) or self.image.endswith(":latest"):
-            problems.append(FieldProblem(
-                "image", self.image, "an image pinned by tag or digest, its repository in lowercase, "
-                "e.g. 123456789012.dkr.ecr.us-west-2.amazonaws.com/trainer:gpu-0.1.0 (not :latest)"))
+        if not pinned_image(self.image):
+            problems.append(FieldProblem("image", self.image, IMAGE_HELP))
         if self.priority_class and self.priority_class.startswith("system-"):
             problems.append(FieldProblem("priority_class", self.priority_class, "the platform's PriorityClass or one "
                                          "of yours", "system- classes are reserved for the cluster's own critical pods"))
@@ -86,6 +110,16 @@ class JobSpec(StrictModel):
             ):
                 problems.append(FieldProblem(field, value, f"an absolute path on the shared file system, under "
                                              f"{FSX_MOUNT}/"))
+        if self.program is not None:
+            problems += self.program.problems()
+            for field in _TRAINER_FIELDS:
+                value = getattr(self, field)
+                if value:
+                    problems.append(FieldProblem(field, value, "nothing with program: the packaged trainer's "
+                                                 "setting; give your program its own in program.args or env"))
+            if CHECKPOINT_DIR_ENV in self.env:
+                problems.append(FieldProblem(f"env.{CHECKPOINT_DIR_ENV}", self.env[CHECKPOINT_DIR_ENV],
+                                             "nothing: the platform sets it from checkpoint_path"))
         config: PlatformConfig | None = (info.context or {}).get("platform")
         if config is not None:
             problems += self._problems_against(config)
@@ -99,6 +133,10 @@ class JobSpec(StrictModel):
         group = groups[self.node_group]
         instance = group.instance
         problems = []
+        if self.program is not None and config.jobs.launcher_image is None:
+            problems.append(FieldProblem("program", self.program.model_dump(exclude_defaults=True),
+                                         "the packaged trainer only (no program), until the platform config sets "
+                                         "jobs.launcher_image", "the pods need the platform's launcher image"))
         if self.max_nodes > group.max_size:
             problems.append(FieldProblem("max_nodes", self.max_nodes, f"at most {group.max_size}, the node group's "
                                          "max_size"))
@@ -136,6 +174,16 @@ class JobSpec(StrictModel):
 
     def checkpoint_dir(self) -> str:
         return self.checkpoint_path or checkpoint_dir(self.name)
+
+    def program_arguments(self, config: PlatformConfig) -> list[str]:
+        """What the launcher runs after torchrun's flags: the job's own program, or the packaged trainer with its flags."""
+        if self.program is not None:
+            return self.program.arguments()
+        return [*TRAINER_PROGRAM, *self.trainer_flags(config)]
+
+    def program_environment(self) -> dict[str, str]:
+        """What the platform tells a program of the job's own (nothing for the packaged trainer, which gets flags)."""
+        return {CHECKPOINT_DIR_ENV: self.checkpoint_dir()} if self.program is not None else {}
 
     def trainer_flags(self, config: PlatformConfig) -> list[str]:
         """The trainer's command-line arguments in the job's pods: the user's trainer_args, plus
@@ -187,7 +235,8 @@ def parse_job_spec(data: dict[str, Any], config: PlatformConfig, source: str = "
         spec = validate(JobSpec, data, source, _PATTERN_HELP, context={"platform": config})
     except ConfigError as exc:
         raise ConfigError(source, exc.problems + _trainer_args_alone(data, exc.problems)) from None
-    _check_trainer_args(spec, config, source)
+    if spec.program is None:
+        _check_trainer_args(spec, config, source)
     return spec
 
 
@@ -195,7 +244,8 @@ def _trainer_args_alone(data: dict[str, Any], problems: list[str]) -> list[str]:
     """The problems of a spec's trainer_args judged by themselves (key by key, as with a
     trainer_config file), for a spec whose other mistakes keep it from being checked whole."""
     args = data.get("trainer_args")
-    if not isinstance(args, dict) or not args or any(p.startswith("trainer_args") for p in problems):
+    if data.get("program") is not None or not isinstance(args, dict) or not args or any(
+            p.startswith("trainer_args") for p in problems):
         return []
     flags = [f"--{key}={_flag_value(value)}" for key, value in args.items() if key not in _OWNED_TRAINER_ARGS]
     return [f"trainer_args.{line}" for line in check_overrides(flags, partial=True)]

@@ -20,6 +20,7 @@ from tests.trainctl_fixtures import one_error
 from tests.conftest import REPO, VARIANTS
 from trainctl.batch import BatchJobs
 from trainctl.errors import UserError
+from training.contract import LAUNCHER_ENTRY, launcher_copy_command
 from typed_config import ConfigError
 
 BATCH_CONFIG = VARIANTS["batch"]
@@ -218,6 +219,44 @@ def test_submit_registers_a_revision_with_the_jobs_image_size_and_command_then_s
     else:
         with pytest.raises(UserError, match=r"already ended"):
             jobs.cancel("resnet50-imagenet")
+
+
+PROGRAM_SPEC = parse_job_spec({
+    "name": "own-program", "image": "123456789012.dkr.ecr.us-west-2.amazonaws.com/llm:2025.1", "node_group": "p4d",
+    "max_nodes": 2, "program": {"module": "torchtitan.train", "args": ["--job.config_file=/fsx/configs/llama.toml"]},
+    "env": {"HF_HOME": "/fsx/cache/hf"}}, CONFIG)
+
+
+def test_a_program_job_gets_the_launcher_from_an_init_container_and_runs_like_the_trainer(aws_batch):
+    jobs = BatchJobs(aws_batch, CONFIG)
+    request = jobs.job_definition(PROGRAM_SPEC)
+    validate("RegisterJobDefinition", request)
+    (node_range,) = request["nodeProperties"]["nodeRangeProperties"]
+    assert "container" not in node_range
+    (task,) = node_range["ecsProperties"]["taskProperties"]
+    launcher, job = task["containers"]
+    assert launcher["image"] == CONFIG.jobs.launcher_image and launcher["essential"] is False
+    assert launcher["command"] == launcher_copy_command("/platform-launcher")
+    assert job["image"] == PROGRAM_SPEC.image and job["essential"] is True
+    assert job["dependsOn"] == [{"containerName": launcher["name"], "condition": "SUCCESS"}]
+    assert job["command"][:3] == ["python", LAUNCHER_ENTRY, "--aws-batch-mnp"]
+    assert job["command"][-3:] == ["-m", "torchtitan.train", "--job.config_file=/fsx/configs/llama.toml"]
+    assert "--start-method=fork" not in job["command"]  # torchrun's subprocess workers for a foreign program
+    env = {e["name"]: e["value"] for e in job["environment"]}
+    assert env["PLATFORM_CHECKPOINT_DIR"] == "/fsx/checkpoints/own-program" and env["HF_HOME"] == "/fsx/cache/hf"
+    assert {"sourceVolume": "platform-launcher", "containerPath": "/platform-launcher", "readOnly": True} in \
+        job["mountPoints"]
+    assert {"sourceVolume": "fsx", "containerPath": "/fsx", "readOnly": False} in job["mountPoints"]
+    assert {"name": "fsx", "host": {"sourcePath": "/fsx"}} in task["volumes"]
+    assert job["linuxParameters"]["sharedMemorySize"] > 0 and job["ulimits"]  # the stack's settings, kept
+    assert {r["type"] for r in job["resourceRequirements"]} == {"GPU", "VCPU", "MEMORY"}
+
+    job_id = jobs.submit(PROGRAM_SPEC)  # then status, list and cancel as for the packaged trainer
+    assert jobs.find("own-program")["jobId"] == job_id
+    assert jobs.status("own-program").name == "own-program"
+    assert "own-program" in dict(jobs.list()) or jobs.status("own-program").finished
+    if not jobs.status("own-program").finished:
+        jobs.cancel("own-program")
 
 
 def test_a_node_group_without_batch_is_refused_before_anything_is_registered(aws_batch):

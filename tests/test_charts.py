@@ -20,7 +20,7 @@ from k8s_charts.job_spec import load_job_spec, parse_job_spec
 from k8s_charts.platform_charts import LustreVolumeValues
 from k8s_charts.render import manifests, render_job, render_platform
 from k8s_charts.volcano import SCHEDULER_ACTIONS, helm_values
-from training.contract import launch_command
+from training.contract import LAUNCHER_ENTRY, launch_command, launcher_copy_command
 from tests.conftest import REPO, example_data
 from typed_config import ConfigError
 
@@ -28,12 +28,21 @@ CRDS = REPO.parent / "shared" / "crds" / "volcano-v1.15.1"
 EXAMPLES = REPO / "k8s_charts" / "examples"
 VOLUME = LustreVolumeValues("fs-0123456789abcdef0", "fs-0123456789abcdef0.fsx.us-west-2.amazonaws.com", "abcdefgh", 1200)
 CONFIG = parse_config(example_data())
+# A job running its own program in its own image (docs/job-spec.md, "Your own torchrun program"),
+# rendered beside the examples: snapshot, kubernetes-validate, the Volcano CRDs and the pod rules.
+PROGRAM_JOB = {
+    "name": "own-program", "image": "123456789012.dkr.ecr.us-west-2.amazonaws.com/llm:torchtitan-0.2.0",
+    "node_group": "p4d", "min_nodes": 1, "max_nodes": 2,
+    "program": {"module": "torchtitan.train", "args": ["--job.config_file=/fsx/configs/llama3_8b.toml"]},
+    "env": {"HF_HOME": "/fsx/cache/huggingface"},
+}
 
 
 def render(config=CONFIG, specs=None, volume=VOLUME) -> dict[str, list[dict]]:
     app = App()
     render_platform(app, config, volume)
-    specs = specs if specs is not None else [load_job_spec(p, config) for p in sorted(EXAMPLES.glob("*.yaml"))]
+    specs = specs if specs is not None else [*(load_job_spec(p, config) for p in sorted(EXAMPLES.glob("*.yaml"))),
+                                              parse_job_spec(PROGRAM_JOB, config)]
     for spec in specs:
         render_job(app, config, spec)
     if specs:
@@ -122,6 +131,77 @@ def test_the_crd_check_catches_a_misspelt_field():
 
 
 # --- what the training job says ---------------------------------------------------------------
+
+
+def test_a_program_job_runs_its_program_under_the_injected_launcher_in_its_own_image():
+    job = the_job(RENDERED, "own-program")
+    pod = job["spec"]["tasks"][0]["template"]["spec"]
+    trainer = container(job)
+    assert trainer["image"] == PROGRAM_JOB["image"]
+    expected = launch_command(min_nodes=1, max_nodes=2, nproc_per_node=8, endpoint=flag(trainer["command"], "rdzv-endpoint"),
+                              run_id="$(PODGROUP)-v$(JOB_VERSION)", max_restarts=100, local_addr="$(POD_IP)",
+                              grace_period_s=TERMINATION_GRACE_SECONDS, program=["-m", "torchtitan.train",
+                              "--job.config_file=/fsx/configs/llama3_8b.toml"], launcher=LAUNCHER_ENTRY)
+    assert trainer["command"] == expected
+    assert trainer["command"][:2] == ["python", "/platform-launcher/training/launcher/__main__.py"]
+    assert "--start-method=fork" not in trainer["command"]
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert env["PLATFORM_CHECKPOINT_DIR"] == "/fsx/checkpoints/own-program" and "PYTHONPATH" not in env
+    assert env["HF_HOME"] == "/fsx/cache/huggingface"
+    writable, launcher = pod["initContainers"]
+    assert writable["image"] == launcher["image"] == CONFIG.jobs.launcher_image  # the platform's image, not theirs
+    assert launcher["command"] == launcher_copy_command("/platform-launcher") and launcher["workingDir"] == "/app"
+    assert launcher["volumeMounts"] == [{"name": "platform-launcher", "mountPath": "/platform-launcher"}]
+    assert {"name": "platform-launcher", "mountPath": "/platform-launcher", "readOnly": True} in trainer["volumeMounts"]
+    assert {"name": "platform-launcher", "emptyDir": {"sizeLimit": "64Mi"}} in pod["volumes"]
+    check = container(the_job(RENDERED, "own-program-nccl-check"))
+    assert check["image"] == CONFIG.jobs.launcher_image and "allreduce-bench" in check["command"]
+    assert not the_job(RENDERED, "own-program-nccl-check")["spec"]["tasks"][0]["template"]["spec"].get("initContainers")
+
+
+def test_a_program_job_without_a_launcher_image_or_with_trainer_fields_is_one_line_each():
+    data = example_data()
+    data["jobs"].pop("launcher_image")
+    with pytest.raises(ConfigError) as caught:
+        parse_job_spec(PROGRAM_JOB, parse_config(data))
+    assert caught.value.problems == [
+        'program: got {"module": "torchtitan.train", "args": ["--job.config_file=/fsx/configs/llama3_8b.toml"]} '
+        "(the pods need the platform's launcher image); allowed: the packaged trainer only (no program), until the "
+        "platform config sets jobs.launcher_image"]
+    with pytest.raises(ConfigError) as caught:
+        parse_job_spec({**PROGRAM_JOB, "trainer_args": {"train.epochs": 3}, "dataset_path": "/fsx/datasets/c4",
+                        "env": {"PLATFORM_CHECKPOINT_DIR": "/tmp"}}, CONFIG)
+    assert caught.value.problems == [
+        'trainer_args: got {"train.epochs": 3}; allowed: nothing with program: the packaged trainer\'s setting; give '
+        "your program its own in program.args or env",
+        'dataset_path: got "/fsx/datasets/c4"; allowed: nothing with program: the packaged trainer\'s setting; give '
+        "your program its own in program.args or env",
+        'env.PLATFORM_CHECKPOINT_DIR: got "/tmp"; allowed: nothing: the platform sets it from checkpoint_path',
+    ]
+
+
+@pytest.mark.parametrize(("program", "expected"), [
+    ({}, 'program: got {"module": null, "script": null}; allowed: exactly one of program.module (python -m) and '
+         "program.script"),
+    ({"module": "a", "script": "/b.py"}, 'program: got {"module": "a", "script": "/b.py"}; allowed: exactly one of '
+                                         "program.module (python -m) and program.script"),
+    ({"module": "torchtitan-train"}, 'program.module: got "torchtitan-train"; allowed: a dotted Python module name, '
+                                     "e.g. torchtitan.train"),
+    ({"module": "torchtitan..train"}, 'program.module: got "torchtitan..train"; allowed: a dotted Python module name, '
+                                      "e.g. torchtitan.train"),
+    ({"script": "train.py"}, 'program.script: got "train.py"; allowed: an absolute path to a file inside the image, '
+                             "without '..', e.g. /workspace/train.py"),
+    ({"script": "/workspace/../etc/x.py"}, 'program.script: got "/workspace/../etc/x.py"; allowed: an absolute path '
+                                           "to a file inside the image, without '..', e.g. /workspace/train.py"),
+    ({"module": "m", "args": ["--a", 3]}, "program.args[1]: got 3; allowed: a valid string"),
+    ({"module": "m", "args": "--a=3"}, 'program.args: got "--a=3"; allowed: a valid list'),
+    ({"module": "m", "argv": []}, "program.argv: unknown key; allowed keys here: args, module, script"),
+])
+def test_each_bad_program_is_one_line(program, expected):
+    with pytest.raises(ConfigError) as caught:
+        parse_job_spec({**PROGRAM_JOB, "program": program}, CONFIG)
+    assert caught.value.problems == [expected]
+
 
 
 def config_with(instance_type: str):

@@ -7,6 +7,7 @@ import re
 import pytest
 
 from k8s_charts.job_charts import TRAINER_UID
+from training.contract import LAUNCHER_PACKAGE, PLATFORM_APP_DIR
 from tests.conftest import REPO
 
 DOCKER = REPO / "training" / "docker"
@@ -63,3 +64,14 @@ def test_the_neuron_image_runs_as_the_same_user():
     assert re.search(rf"^RUN useradd --uid {TRAINER_UID} ", text, re.MULTILINE)
     assert re.search(rf"^USER {TRAINER_UID}$", text, re.MULTILINE)
 
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.gpu", "Dockerfile.neuron"])
+def test_the_images_keep_the_launcher_where_the_init_containers_copy_it_from(name):
+    # The launcher's init container (k8s_charts/job_charts.py launcher_container; on Batch, trainctl/batch.py,
+    # which has no working-directory setting) runs its copy in the image's WORKDIR: it must be PLATFORM_APP_DIR,
+    # holding training/ whole.
+    text = (DOCKER / name).read_text()
+    assert re.findall(r"^WORKDIR (\S+)$", text, re.MULTILINE)[-1] == PLATFORM_APP_DIR
+    assert re.search(r"^COPY training/ training/$", text, re.MULTILINE)
+    assert all((REPO / path).exists() for path in LAUNCHER_PACKAGE)

@@ -145,14 +145,27 @@ def test_every_pod_meets_its_namespaces_enforced_level_and_mounts_no_token():
         assert pod["automountServiceAccountToken"] is False, name
 
 
-@pytest.mark.parametrize("name", ["resnet50-imagenet", "resnet50-imagenet-nccl-check", "bert-large-mlm"])
+@pytest.mark.parametrize("name", ["resnet50-imagenet", "resnet50-imagenet-nccl-check", "bert-large-mlm",
+                                  "own-program", "own-program-nccl-check"])
 def test_training_containers_are_restricted_and_only_the_directory_setup_runs_as_root(name):
     pod = the_job(RENDERED, name)["spec"]["tasks"][0]["template"]["spec"]
-    assert level_violations({**pod, "initContainers": []}, "restricted") == []
+    setup = [init for init in pod.get("initContainers", []) if init["name"] == "writable-dirs"]
+    # Everything but the directory setup meets the restricted level: the trainer, and the launcher's copy.
+    assert level_violations({**pod, "initContainers": [i for i in pod.get("initContainers", []) if i not in setup]},
+                            "restricted") == []
     assert pod["securityContext"]["runAsUser"] == TRAINER_UID  # the images' trainer user
-    for init in pod.get("initContainers", []):
+    for init in setup:
         assert init["securityContext"]["capabilities"] == {"drop": ["ALL"],
                                                           "add": ["CHOWN", "DAC_OVERRIDE", "FOWNER"]}
+
+
+def test_the_launcher_copy_runs_as_the_trainer_user_without_capabilities_and_is_mounted_read_only():
+    pod = the_job(RENDERED, "own-program")["spec"]["tasks"][0]["template"]["spec"]
+    (launcher,) = [i for i in pod["initContainers"] if i["name"] == "platform-launcher"]
+    assert launcher["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert level_violations({**pod, "initContainers": [launcher]}, "restricted") == []
+    mounts = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "platform-launcher"]
+    assert mounts == [{"name": "platform-launcher", "mountPath": "/platform-launcher", "readOnly": True}]
 
 
 def test_the_job_setup_hands_the_jobs_own_directories_to_the_trainer_user():

@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client
 
 from config import parse_config
-from k8s_charts.job_spec import load_job_spec
+from k8s_charts.job_spec import load_job_spec, parse_job_spec
 from tests.conftest import REPO, example_data
 from trainctl.errors import UserError
 from trainctl.jobs import Jobs, pod_at_index, pod_for_rank, render, render_text, status
@@ -249,3 +249,19 @@ def test_render_prints_what_make_synth_writes_into_dist_byte_for_byte(tmp_path):
 
     assert render_dist(["--config", "config/example.yaml", "--job", str(SPEC_PATH), "--out", str(tmp_path)]) == 0
     assert render_text(CONFIG, SPEC) == (tmp_path / f"{SPEC.name}.yaml").read_text()
+
+
+def test_a_program_job_is_submitted_listed_watched_and_cancelled_like_the_trainer(api):
+    """A job running its own program (docs/job-spec.md, "Your own torchrun program") is a Volcano Job like any other."""
+    from tests.test_charts import PROGRAM_JOB
+
+    server, jobs = api
+    spec = parse_job_spec(PROGRAM_JOB, CONFIG)
+    job = render(CONFIG, spec)[0]
+    assert job["spec"]["tasks"][0]["template"]["spec"]["containers"][0]["image"] == PROGRAM_JOB["image"]
+    assert jobs.submit(job) == "own-program"
+    assert server.requests[-1][3]["metadata"]["name"] == "own-program"
+    assert [j["metadata"]["name"] for j in jobs.list()] == ["own-program"]
+    assert "own-program" in status(jobs, "own-program").format()
+    jobs.cancel("own-program")
+    assert jobs.list() == []

@@ -4,6 +4,12 @@ A Batch MNP job has a fixed size: it runs on ``max_nodes`` nodes (``min_nodes`` 
 there). A job definition names its image, and a submission cannot override it, so each submit
 registers a revision of the node group's job definition (declared by the batch stack: devices,
 mounts, limits, retry strategy) with the job's image, node count and command, then submits it.
+
+A job that runs its own program in its own image gets the launcher as on EKS, from an init
+container: the revision is a multi-container one (ecsProperties) whose first container, from
+the platform's image (config.jobs.launcher_image), copies the launcher into a volume of the task
+and exits; the job's container starts once it succeeded (dependsOn SUCCESS) and runs the
+launcher's entry script from that volume, read-only.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from dataclasses import dataclass
 from config import PlatformConfig
 from k8s_charts.job_spec import JobSpec
 from trainctl.errors import UserError, check_name
-from training.contract import SPOT_NOTICE_ENV, batch_launch_command
+from training.contract import (
+    LAUNCHER_ENTRY, LAUNCHER_MOUNT, SPOT_NOTICE_ENV, batch_launch_command, launcher_copy_command,
+)
 
 # Batch's job states (Batch API, JobStatus); the first five are still to finish.
 ACTIVE_STATES = ("SUBMITTED", "PENDING", "RUNNABLE", "STARTING", "RUNNING")
@@ -67,22 +75,60 @@ class BatchJobs:
         node_range = dict(base["nodeProperties"]["nodeRangeProperties"][0])
         container = dict(node_range["container"])
         container["image"] = spec.image
-        container["command"] = batch_launch_command(nproc_per_node=spec.nproc_per_node(config),
-                                                    max_restarts=spec.max_restarts) + spec.trainer_flags(config)
+        container["command"] = batch_launch_command(
+            nproc_per_node=spec.nproc_per_node(config), max_restarts=spec.max_restarts,
+            program=spec.program_arguments(config), launcher=LAUNCHER_ENTRY if spec.program is not None else None)
         env = {e["name"]: e["value"] for e in container.get("environment", [])}
         if spec.group(config).capacity_type.value == "SPOT":
             env[SPOT_NOTICE_ENV] = "imds"
+        env.update(spec.program_environment())
         env.update(spec.env)
         container["environment"] = [{"name": k, "value": v} for k, v in sorted(env.items())]
         container["resourceRequirements"] = [
             {**r, "value": str(spec.accelerators(config))} if r["type"] == "GPU" else r
             for r in container.get("resourceRequirements", [])]
         node_range["container"] = container
+        if spec.program is not None:
+            node_range = self._with_launcher(node_range)
         return {
             "jobDefinitionName": name, "type": "multinode", "platformCapabilities": ["EC2"], "propagateTags": True,
             "nodeProperties": {"numNodes": spec.max_nodes, "mainNode": 0, "nodeRangeProperties": [node_range]},
             "retryStrategy": base["retryStrategy"], "tags": {"platform": config.name_prefix, "job": spec.name},
         }
+
+    def _with_launcher(self, node_range: dict) -> dict:
+        """The node range as a multi-container task: the launcher's init container, then the job's.
+
+        AWS Batch's ecsProperties (API reference, NodeRangeProperty and TaskContainerProperties):
+        a task's volumes are shared by its containers; a host volume without a source path is a
+        Docker volume of the task's own. The init container runs the platform image's copy in its
+        working directory (/app, the images' WORKDIR: TaskContainerProperties has no workingDir),
+        as root, because Docker creates that volume root-owned; it is not essential, so its exit
+        ends nothing. Exit statuses and retries are the job container's, as before.
+        """
+        container = dict(node_range.pop("container"))
+        task_members = self.batch.meta.service_model.shape_for("TaskContainerProperties").members
+        moved = {"volumes": "volumes", "jobRoleArn": "taskRoleArn", "executionRoleArn": "executionRoleArn"}
+        task = {moved[key]: container.pop(key) for key in list(container) if key in moved}
+        unplaced = sorted(key for key, value in container.items() if key not in task_members and value)
+        if unplaced:
+            raise UserError(f"the stack's job definition has {', '.join(unplaced)}, which a multi-container job "
+                            "cannot carry", "run this job with the packaged trainer, or on EKS")
+        volume = "platform-launcher"
+        launcher = {
+            "name": volume, "image": self.config.jobs.launcher_image, "essential": False, "user": "0",
+            "command": launcher_copy_command(LAUNCHER_MOUNT),
+            "resourceRequirements": [{"type": "VCPU", "value": "1"}, {"type": "MEMORY", "value": "64"}],
+            "mountPoints": [{"sourceVolume": volume, "containerPath": LAUNCHER_MOUNT, "readOnly": False}],
+        }
+        if container.get("logConfiguration"):
+            launcher["logConfiguration"] = container["logConfiguration"]
+        job = {key: value for key, value in container.items() if key in task_members}
+        job.update(name="trainer", essential=True, dependsOn=[{"containerName": volume, "condition": "SUCCESS"}],
+                   mountPoints=[*job.get("mountPoints", []),
+                                {"sourceVolume": volume, "containerPath": LAUNCHER_MOUNT, "readOnly": True}])
+        task["volumes"] = [*task.get("volumes", []), {"name": volume, "host": {}}]
+        return {**node_range, "ecsProperties": {"taskProperties": [{**task, "containers": [launcher, job]}]}}
 
     def find(self, name: str) -> dict | None:
         """The newest job of that name in any of the platform's queues."""

@@ -29,6 +29,35 @@ ETCD_PEER_PORT = 2380
 LAUNCH_ENVIRONMENT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 TRAINER_MODULE = "training"
 LAUNCHER_MODULE = "training.launcher"
+# What a pod runs after torchrun's flags when its job names no program of its own: the packaged trainer.
+TRAINER_PROGRAM = ("-m", TRAINER_MODULE, "train")
+
+# The launcher in an image that lacks this package (a job's own program, docs/job-spec.md, "Your own torchrun program"):
+# these files, torch-free apart from the launcher's own use of torch.distributed, are copied from the
+# platform's image (where they lie under PLATFORM_APP_DIR, training/docker/Dockerfile.*) into an empty
+# volume mounted at LAUNCHER_MOUNT, and the pod runs LAUNCHER_ENTRY as a script: Python puts the
+# script's folder first on the path (training/launcher/__main__.py then puts LAUNCHER_MOUNT there), so
+# neither the image's PYTHONPATH nor its working directory changes, and the program's workers, started
+# as fresh interpreters, find nothing of this package.
+LAUNCHER_PACKAGE = ("training/__init__.py", "training/contract.py", "training/launcher")
+PLATFORM_APP_DIR = "/app"
+LAUNCHER_MOUNT = "/platform-launcher"
+LAUNCHER_ENTRY = f"{LAUNCHER_MOUNT}/training/launcher/__main__.py"
+# Given to a job's own program: the folder on FSX_MOUNT where its checkpoints belong (the spec's
+# checkpoint_path). The launcher counts a newer numbered entry there as progress (program_checkpoint_step).
+CHECKPOINT_DIR_ENV = "PLATFORM_CHECKPOINT_DIR"
+
+
+def launcher_copy_command(destination: str = LAUNCHER_MOUNT) -> list[str]:
+    """The command, run in PLATFORM_APP_DIR of the platform's image, that copies the launcher to ``destination``."""
+    return ["cp", "-R", "--parents", *LAUNCHER_PACKAGE, f"{destination}/"]
+
+
+def program_arguments(*, module: str | None = None, script: str | None = None, args: Sequence[str] = ()) -> list[str]:
+    """What follows torchrun's flags for a program: ``-m <module> <args>`` or ``<script> <args>``."""
+    if (module is None) == (script is None):
+        raise ValueError("a program is a module or a script, not both or neither")
+    return [*(["-m", module] if module else [script]), *args]
 
 # The shared file system (FSx for Lustre): where pods and AWS Batch hosts mount it, and the
 # folders a job's spec, the charts and the trainer agree on.
@@ -164,22 +193,34 @@ def torchrun_arguments(
     return args
 
 
+def _launcher(python: str, program: Sequence[str], launcher: str | None) -> tuple[list[str], list[str]]:
+    """(the launcher's argv, the start method flag) for ``program``. The packaged trainer's workers are
+    forked from the agent, which has imported it (training/launcher/main.py); a program of the job's
+    own is a fresh interpreter per worker (torchrun starts a binary entrypoint as a subprocess)."""
+    start = ["--start-method=fork"] if tuple(program[:2]) == TRAINER_PROGRAM[:2] else []
+    return ([python, launcher] if launcher else [python, "-m", LAUNCHER_MODULE]), start
+
+
 def launch_command(*, min_nodes: int, max_nodes: int, nproc_per_node: int, endpoint: str, run_id: str,
                    max_restarts: int, local_addr: str | None = None, python: str = "python",
-                   grace_period_s: int | None = None, tuning: RendezvousTuning = PLATFORM_TUNING) -> list[str]:
-    """The full argv of a training pod, ending with ``-m training train``; append the trainer's overrides.
+                   grace_period_s: int | None = None, tuning: RendezvousTuning = PLATFORM_TUNING,
+                   program: Sequence[str] = TRAINER_PROGRAM, launcher: str | None = None) -> list[str]:
+    """The full argv of a training pod: the launcher, torchrun's flags, then ``program``
+    (:func:`program_arguments`; by default ``-m training train``, to which the trainer's overrides are appended).
 
     ``grace_period_s`` is the pod's termination grace period: the agent gives its workers that
     much, less a margin for itself, between forwarding SIGTERM and SIGKILL (torchrun's default
-    is 30 s, whatever the pod allows).
+    is 30 s, whatever the pod allows). ``launcher``: the launcher's entry script in an image that
+    lacks this package (LAUNCHER_ENTRY); None runs ``python -m training.launcher``.
     """
     flags = torchrun_arguments(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node,
                                endpoint=endpoint, run_id=run_id, max_restarts=max_restarts, tuning=tuning,
                                local_addr=local_addr)
-    flags.append("--start-method=fork")
+    argv, start = _launcher(python, program, launcher)
+    flags += start
     if grace_period_s is not None:
         flags.append(f"--shutdown-timeout={shutdown_timeout(grace_period_s)}")
-    return [python, "-m", LAUNCHER_MODULE, *flags, "-m", TRAINER_MODULE, "train"]
+    return [*argv, *flags, *program]
 
 
 # AWS Batch multi-node parallel jobs: a fixed number of nodes, each told its index, the count and
@@ -197,13 +238,15 @@ class BatchEnvironmentError(ValueError):
 
 
 def batch_launch_command(*, nproc_per_node: int, max_restarts: int, python: str = "python",
-                         master_port: int = BATCH_MASTER_PORT) -> list[str]:
-    """The container command of an AWS Batch multi-node parallel job, ending with ``-m training
-    train``; append the trainer's overrides. The node's place in the job is read from Batch's
-    environment when the container starts (:func:`batch_rendezvous_arguments`)."""
-    return [python, "-m", LAUNCHER_MODULE, BATCH_NODE_FLAG, f"--nproc-per-node={nproc_per_node}",
-            f"--max-restarts={max_restarts}", f"--master-port={master_port}", "--start-method=fork",
-            f"--shutdown-timeout={shutdown_timeout(BATCH_STOP_GRACE_S)}", "-m", TRAINER_MODULE, "train"]
+                         master_port: int = BATCH_MASTER_PORT, program: Sequence[str] = TRAINER_PROGRAM,
+                         launcher: str | None = None) -> list[str]:
+    """The container command of an AWS Batch multi-node parallel job, ending with ``program`` (by
+    default ``-m training train``: append the trainer's overrides). The node's place in the job is
+    read from Batch's environment when the container starts (:func:`batch_rendezvous_arguments`)."""
+    argv, start = _launcher(python, program, launcher)
+    return [*argv, BATCH_NODE_FLAG, f"--nproc-per-node={nproc_per_node}",
+            f"--max-restarts={max_restarts}", f"--master-port={master_port}", *start,
+            f"--shutdown-timeout={shutdown_timeout(BATCH_STOP_GRACE_S)}", *program]
 
 
 def batch_rendezvous_arguments(environ: dict[str, str]) -> list[str]:
@@ -252,6 +295,16 @@ def checkpoint_step(name: str) -> int | None:
     """The step of a checkpoint file's name (a basename or a path), None when it is not one."""
     found = CHECKPOINT_NAME.match(name.rsplit("/", 1)[-1])
     return int(found.group(1)) if found else None
+
+
+def program_checkpoint_step(name: str) -> int | None:
+    """The step of an entry a job's own program wrote to its checkpoint folder: the last number in its
+    name (torchtitan's ``step-1000``, DCP folders named by step, Hugging Face's ``checkpoint-500``,
+    Lightning's ``epoch=2-step=900.ckpt``). None for a hidden entry (a write in progress, by
+    convention) or a name without a number (``latest``, a config file)."""
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    numbers = re.findall(r"\d+", base)
+    return int(numbers[-1]) if numbers and not base.startswith(".") else None
 
 
 # --- etcd, the rendezvous store -----------------------------------------------------------------

@@ -198,13 +198,14 @@ class Agent:
     """One agent (a 'node') running ``python -m training train`` with the given overrides.
 
     By default it runs exactly what a pod runs (:func:`training.contract.launch_command`); ``command``
-    runs another container command instead (an AWS Batch node's, with its environment in ``env``).
+    runs another container command instead (an AWS Batch node's, with its environment in ``env``, or
+    a job's own program under the injected launcher, from ``cwd``: by default the repository's root).
     """
 
     def __init__(self, name: str, endpoint: str, run_id: str, workdir: Path, trainer_args: list[str], *,
                  min_nodes: int = 1, max_nodes: int = 3, nproc_per_node: int = 1, max_restarts: int = 10,
                  tuning: RendezvousTuning = LOCAL_TUNING, grace_period_s: int = 60,
-                 env: dict[str, str] | None = None, command: list[str] | None = None):
+                 env: dict[str, str] | None = None, command: list[str] | None = None, cwd: Path | None = None):
         self.name = name
         self.log_path = workdir / f"{name}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **LAUNCH_ENVIRONMENT, **(env or {})}
@@ -215,7 +216,7 @@ class Agent:
                                      tuning=tuning)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait/kill
         self.proc = subprocess.Popen([*command, *trainer_args], env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
+                                     start_new_session=True, cwd=cwd or Path(__file__).resolve().parent.parent)
 
     def kill_node(self) -> float:
         """SIGKILL the agent's whole process group, as a node or pod dies; returns the time of the kill."""

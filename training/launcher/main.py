@@ -2,7 +2,10 @@
 
 Its command line comes from :func:`training.contract.launch_command` (the charts, the local
 cluster and the tests build commands only with it): the platform's launcher, torchrun's flags,
-and ``-m training train``; the trainer's overrides are appended.
+and the program: ``-m training train`` with the trainer's overrides, or a job's own program
+(``-m <module> <args>`` or ``<script> <args>``, docs/job-spec.md, "Your own torchrun program"), which gets
+torchrun's subprocess workers, the same rendezvous, exit statuses and stop budget, and has its
+progress counted by the numbered entries of ``$PLATFORM_CHECKPOINT_DIR``.
 
 ``python -m training.launcher`` is torchrun with four platform decisions (each measured with
 torch 2.13, real agents and a real etcd; see docs/elasticity-and-checkpoints.md):
@@ -12,7 +15,8 @@ torch 2.13, real agents and a real etcd; see docs/elasticity-and-checkpoints.md)
   ``outage_tolerance`` waited out, and only the job's success closes a round;
 - sub-second keep-alives, which torchrun's own parser cannot take;
 - workers forked from the agent, which has imported torch and the trainer already (seconds
-  less per restart, and a node joining a running job is warm before it counts as waiting);
+  less per restart, and a node joining a running job is warm before it counts as waiting;
+  the packaged trainer only);
 - exit statuses the job controller acts on (:data:`EXIT_CONFIG`, :data:`EXIT_RESTART_JOB`).
 
 torch is imported only by :func:`main`.
@@ -27,9 +31,9 @@ import tempfile
 import time
 
 from training.contract import (
-    AGENT_PID_ENV, BATCH_NODE_FLAG, CONTROL_DIR_ENV, EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_RESTART_JOB, FINAL_EXITS,
-    LAUNCH_ENVIRONMENT, PROGRESS_FILE_ENV, STOP_BUDGET_ENV, TRAINER_MODULE, BatchEnvironmentError,
-    batch_rendezvous_arguments, checkpoint_step,
+    AGENT_PID_ENV, BATCH_NODE_FLAG, CHECKPOINT_DIR_ENV, CONTROL_DIR_ENV, EXIT_CONFIG, EXIT_CRASH_LOOP,
+    EXIT_RESTART_JOB, FINAL_EXITS, LAUNCH_ENVIRONMENT, PROGRESS_FILE_ENV, STOP_BUDGET_ENV, TRAINER_MODULE,
+    BatchEnvironmentError, batch_rendezvous_arguments, checkpoint_step, program_checkpoint_step,
 )
 
 log = logging.getLogger("training.launcher")
@@ -92,11 +96,12 @@ def _trainer_config(argv: list[str]):
         return None, str(exc).splitlines()[0]
 
 
-def _newest_checkpoint(directory: str):
-    """The newest checkpoint's step in ``directory`` (None when there is none or it cannot be listed)."""
+def _newest_checkpoint(directory: str, step_of=checkpoint_step):
+    """The newest checkpoint's step in ``directory`` (None when there is none or it cannot be listed);
+    ``step_of`` reads an entry's name: the packaged trainer's files, or a job's own program's entries."""
     def newest() -> int | None:
         try:
-            steps = [step for name in os.listdir(directory) if (step := checkpoint_step(name)) is not None]
+            steps = [step for name in os.listdir(directory) if (step := step_of(name)) is not None]
         except OSError:
             return None
         return max(steps, default=None)
@@ -157,12 +162,19 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_CONFIG
     args = torchrun.parse_args(argv)
     trainer_config = None
-    if args.module and args.training_script == TRAINER_MODULE:
+    packaged = args.module and args.training_script == TRAINER_MODULE
+    if packaged:
         trainer_config, problem = _trainer_config(args.training_script_args)
         if problem:
             print(f"config error: {problem}", file=sys.stderr)
             return EXIT_CONFIG
-    newest_checkpoint = _newest_checkpoint(trainer_config.checkpoint.dir) if trainer_config else lambda: None
+    if trainer_config is not None:
+        newest_checkpoint = _newest_checkpoint(trainer_config.checkpoint.dir)
+    elif not packaged and os.environ.get(CHECKPOINT_DIR_ENV):
+        # A job's own program: a newer numbered entry in its checkpoint folder is its progress.
+        newest_checkpoint = _newest_checkpoint(os.environ[CHECKPOINT_DIR_ENV], program_checkpoint_step)
+    else:
+        newest_checkpoint = lambda: None  # noqa: E731 - no progress to count: every failure counts
     agent.install(newest_checkpoint)
     checkpoint_at_start = newest_checkpoint()
     os.environ.update(LAUNCH_ENVIRONMENT)
@@ -176,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     _single_node_defaults(args)
     config, entrypoint, entry_args = torchrun.config_from_args(args)
-    if args.module and args.training_script == TRAINER_MODULE and config.start_method == "fork":
+    if packaged and config.start_method == "fork":
         entrypoint, entry_args = _train_worker, list(args.training_script_args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # The workers' budget between SIGTERM and SIGKILL; the trainer checks its checkpoints against it.
