@@ -49,7 +49,7 @@ XLA_STAMP := $(XLA_VENV)/.installed
 NODE_STAMP := node_modules/.installed
 DEB_PACKAGES := etcd-server
 
-.PHONY: synth diff-offline test test-fast test-xla setup-deploy setup-test system-packages benchmark lock clean
+.PHONY: synth diff-offline test test-fast test-xla test-titan setup-deploy setup-test system-packages benchmark lock clean
 
 # Render and synthesize into staging folders and swap both in only when both succeeded: a bad
 # config or job spec leaves cdk.out and dist as they were (never one new and one stale), and a
@@ -90,6 +90,19 @@ test-xla: $(XLA_STAMP)
 # runs: under two minutes on 2 cores. `make test` still runs everything.
 test-fast: setup-test
 	$(PY) -m pytest -m "not slow"
+
+# torchtitan itself on CPU through the platform's launcher (tests/test_torchtitan_cpu.py): its own venv,
+# .venv-titan, which `make test` neither needs nor builds (the module skips without it).
+TITAN_VENV := .venv-titan
+TITAN_STAMP := $(TITAN_VENV)/.installed
+test-titan: setup-test $(TITAN_STAMP)
+	$(PY) -m pytest tests/test_torchtitan_cpu.py
+
+$(TITAN_STAMP): tests/requirements-torchtitan.txt training/requirements.txt
+	$(PYTHON) -m venv $(TITAN_VENV)
+	$(TITAN_VENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
+	$(REGISTRY_ONLY) $(TITAN_VENV)/bin/python -m pip install --quiet -r tests/requirements-torchtitan.txt
+	touch $@
 
 benchmark: setup-test
 	$(PY) benchmarks/synth_time.py

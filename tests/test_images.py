@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import re
 
 import pytest
+import yaml
 
 from k8s_charts.job_charts import TRAINER_UID
 from training.contract import LAUNCHER_PACKAGE, PLATFORM_APP_DIR
@@ -17,7 +19,7 @@ PINS = dict(
 )
 
 
-@pytest.mark.parametrize("name", ["Dockerfile.gpu", "Dockerfile.neuron"])
+@pytest.mark.parametrize("name", ["Dockerfile.gpu", "Dockerfile.neuron", "Dockerfile.torchtitan", "Dockerfile.neuron-nxd"])
 def test_base_images_are_pinned_to_a_version(name):
     text = (DOCKER / name).read_text()
     bases = re.findall(r"^ARG \w+_BASE=(\S+)$", text, re.MULTILINE)
@@ -75,3 +77,61 @@ def test_the_images_keep_the_launcher_where_the_init_containers_copy_it_from(nam
     assert re.findall(r"^WORKDIR (\S+)$", text, re.MULTILINE)[-1] == PLATFORM_APP_DIR
     assert re.search(r"^COPY training/ training/$", text, re.MULTILINE)
     assert all((REPO / path).exists() for path in LAUNCHER_PACKAGE)
+
+
+# --- images for a job's own program (docs/llm-training.md): the example jobs run them -------------
+
+EXAMPLES = REPO / "k8s_charts" / "examples"
+TITAN_PINS = dict(
+    line.split("==") for line in (DOCKER / "torchtitan" / "requirements.txt").read_text().splitlines()
+    if "==" in line and not line.startswith("#")
+)
+
+
+def example_program(name: str) -> dict:
+    return yaml.safe_load((EXAMPLES / name).read_text())["program"]
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.torchtitan", "Dockerfile.neuron-nxd"])
+def test_program_images_run_as_the_pods_user_and_carry_nothing_of_the_platform(name):
+    text = (DOCKER / name).read_text()
+    assert re.search(rf"^RUN useradd --uid {TRAINER_UID} ", text, re.MULTILINE)
+    assert re.search(rf"^USER {TRAINER_UID}$", text, re.MULTILINE)
+    copied = {path for line in re.findall(r"^COPY (.+)$", text, re.MULTILINE) for path in line.split()[:-1]}
+    # The launcher reaches the pods from the platform's image (an init container), never from these.
+    assert not {p for p in copied if p.startswith(("training/", "typed_config/")) and "/docker/" not in p}
+
+
+def test_the_torchtitan_image_pins_the_torchtitan_the_cpu_drill_runs_and_a_torch_it_can_call():
+    drilled = dict(line.split("==") for line in (REPO / "tests/requirements-torchtitan.txt").read_text().splitlines()
+                   if "==" in line and not line.startswith("#"))
+    assert TITAN_PINS["torchtitan"] == drilled["torchtitan"] == "0.3.0"
+    # torchtitan 0.3.0 calls torch.distributed.set_timeout (torchtitan/distributed/utils.py:595), new in torch 2.14.
+    assert tuple(int(n) for n in TITAN_PINS["torch"].split(".")[:2]) >= (2, 14)
+    shared = set(TITAN_PINS) & set(drilled) - {"torch"}
+    assert shared and all(TITAN_PINS[p] == drilled[p] for p in shared)
+    assert "torchtitan/requirements.txt" in (DOCKER / "Dockerfile.torchtitan").read_text()
+
+
+def test_the_torchtitan_example_names_the_config_module_the_image_carries():
+    text = (DOCKER / "Dockerfile.torchtitan").read_text()
+    (workdir,) = re.findall(r"^WORKDIR (\S+)$", text, re.MULTILINE)
+    assert re.search(r"^COPY training/docker/torchtitan/platform_llama3.py platform_llama3.py$", text, re.MULTILINE)
+    program = example_program("llama3-8b-torchtitan-p5.yaml")
+    args = program["args"]
+    assert program["module"] == "torchtitan.train" and workdir == "/workspace"  # python -m: the workdir is on sys.path
+    module, config = args[args.index("--module") + 1], args[args.index("--config") + 1]
+    source = (DOCKER / "torchtitan" / f"{module}.py").read_text()
+    assert config in {node.name for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
+
+
+def test_the_nxd_image_is_the_platforms_neuron_base_with_the_example_at_the_same_sdk_release():
+    nxd, platform = (DOCKER / "Dockerfile.neuron-nxd").read_text(), (DOCKER / "Dockerfile.neuron").read_text()
+    base = re.compile(r"^ARG NEURON_BASE=(\S+)$", re.MULTILINE)
+    assert base.findall(nxd) == base.findall(platform)
+    (sdk,) = re.findall(r"-sdk(\d+\.\d+\.\d+)-", base.findall(nxd)[0])
+    assert re.search(rf"^ARG NXD_EXAMPLES_TAG=v{re.escape(sdk)}$", nxd, re.MULTILINE)
+    assert re.search(r"^ARG NXD_VERSION=\d+\.\d+\.\d+$", nxd, re.MULTILINE)
+    # The example job's script lies in the folder the image unpacks the examples into.
+    assert example_program("llama-nxd-trn1.yaml")["script"].startswith("/workspace/llama/tp_zero1_llama_hf_pretrain/")
+    assert "examples/training/llama" in nxd and re.search(r"^WORKDIR /workspace$", nxd, re.MULTILINE)
