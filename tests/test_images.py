@@ -135,3 +135,13 @@ def test_the_nxd_image_is_the_platforms_neuron_base_with_the_example_at_the_same
     # The example job's script lies in the folder the image unpacks the examples into.
     assert example_program("llama-nxd-trn1.yaml")["script"].startswith("/workspace/llama/tp_zero1_llama_hf_pretrain/")
     assert "examples/training/llama" in nxd and re.search(r"^WORKDIR /workspace$", nxd, re.MULTILINE)
+
+
+def test_the_torchtitan_config_module_spells_the_contracts_names_as_the_contract_does():
+    """It runs in the user's image, where training.contract cannot be imported: its copies must agree."""
+    from training import contract
+
+    source = (DOCKER / "torchtitan" / "platform_llama3.py").read_text()
+    constants = {node.targets[0].id: node.value.value for node in ast.parse(source).body
+                 if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
+    assert constants == {"CHECKPOINT_DIR_ENV": contract.CHECKPOINT_DIR_ENV, "EXIT_CONFIG": contract.EXIT_CONFIG}

@@ -27,6 +27,7 @@ What it sets on top of torchtitan's own ``llama3_8b`` (torchtitan/models/llama3/
 from __future__ import annotations
 
 import os
+import sys
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.config import CompileConfig, ParallelismConfig
@@ -35,13 +36,20 @@ from torchtitan.models.llama3.config_registry import llama3_8b
 from torchtitan.trainer import Trainer
 
 CHECKPOINT_DIR_ENV = "PLATFORM_CHECKPOINT_DIR"  # training/contract.py CHECKPOINT_DIR_ENV (not importable here)
+EXIT_CONFIG = 78  # training/contract.py EXIT_CONFIG: a config error, not retried
 
 
 def llama3_8b_platform() -> Trainer.Config:
     config = llama3_8b()
     # The tokenizer (and, for fine-tuning, the weights) on FSx: scripts/download_hf_assets.py of
     # torchtitan, or huggingface-cli, into this folder once.
-    config.hf_assets_path = os.environ.get("LLAMA3_ASSETS", "/fsx/models/Llama-3.1-8B")
+    # The job spec's env names it (the example: under /fsx/models); no default path here, so a
+    # spec without it stops at once with exit 78, which the platform does not retry.
+    if not os.environ.get("LLAMA3_ASSETS"):
+        print("LLAMA3_ASSETS: not set; allowed: the folder of the tokenizer on the shared file system, "
+              "set in the job spec's env", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG)
+    config.hf_assets_path = os.environ["LLAMA3_ASSETS"]
     config.training.mixed_precision_param = "bfloat16"
     config.training.mixed_precision_reduce = "float32"
     config.parallelism = ParallelismConfig(data_parallel_shard_degree=-1)
