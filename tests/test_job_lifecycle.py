@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(600)
 
 # Sized so the job (about 180 steps/s with two agents on two cores) outlives the drill's plan.
 # One outage of 60 s (a 20 s one asserted nothing more and cost the suite 25 s).
-ETCD_DRILL_SAMPLES = 750_000
+ETCD_DRILL_SAMPLES = 752_000  # a whole number of global batches (32): every_sample_once counts whole steps
 ETCD_PLAN = [("wait", 3), ("down", 60), ("wait", 3), ("restart", 0), ("wait", 3), ("empty", 0)]
 INCARNATION_SAMPLES = 120_000
 

@@ -74,6 +74,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._signalled = False  # what the handler checks (see _handle)
         self._pid = os.getpid()
         self.signal_name: str | None = None
         self.training = False  # set when the training loop starts: from then on, stops checkpoint
@@ -98,21 +99,27 @@ class StopRequest:
         global _received_signal
         if os.getpid() != self._pid:
             return  # inherited by a forked process: stops are the trainer's (_leave_stops_to_the_parent)
-        if signum == signal.SIGINT and self.training:
+        ctrl_c = signum == signal.SIGINT and self.training
+        if self._signalled:
             # Ctrl-C in a terminal: the first checkpoints and stops, a second one exits at once.
             # Under an agent, the terminal's Ctrl-C reaches the agent too, which forwards it to its
             # workers (torch 2.13 elastic/agent/server/api.py, ``run``: ``_shutdown(e.sigval)``): a
             # second one here is that copy. The user's second Ctrl-C ends the agent, and this
-            # worker with it (worker_guard.die_with_agent).
-            if self._event.is_set() and "TORCHELASTIC_RUN_ID" in os.environ:
-                return
-            if self._event.is_set():
+            # worker with it (worker_guard.die_with_agent). Any other repeat: already stopping.
+            if ctrl_c and "TORCHELASTIC_RUN_ID" not in os.environ:
                 _tell_the_terminal("second Ctrl-C: exiting now, without a checkpoint")
                 os._exit(128 + signum)
-            _tell_the_terminal("Ctrl-C: saving a checkpoint at the end of this step, then stopping "
-                               "(Ctrl-C again exits at once)")
+            return
+        # A plain attribute, stored before anything else: Python runs this handler again for a
+        # signal that arrives while it runs (the agent's copy of a Ctrl-C comes milliseconds after
+        # the terminal's). Checked on the Event, set after the message, the copy printed it twice
+        # (and could re-enter Event.set, which holds a lock).
+        self._signalled = True
         self.signal_name = _received_signal = signal.Signals(signum).name
         self._event.set()
+        if ctrl_c:
+            _tell_the_terminal("Ctrl-C: saving a checkpoint at the end of this step, then stopping "
+                               "(Ctrl-C again exits at once)")
 
     def _handle_regroup(self, _signum, _frame) -> None:
         self.regroup = True
