@@ -116,7 +116,7 @@ def test_a_profile_that_does_not_exist_is_one_line_naming_the_ones_that_do(tmp_p
 def test_an_unknown_context_names_the_contexts_there_are(cli, server):
     code, _, err = cli("--context", "prod", "status", "j")
     assert code == 2 and one_line(err).startswith("error: --context: got 'prod', which ")
-    assert err.strip().endswith("fix: allowed: lab")
+    assert one_line(err).endswith("fix: allowed: lab")
     assert server.requests == []
 
 
