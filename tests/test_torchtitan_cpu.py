@@ -160,21 +160,23 @@ def test_torchtitan_resumes_at_a_smaller_world_size_from_its_dcp_checkpoint(tmp_
 def test_the_example_jobs_arguments_are_torchtitans_and_set_what_the_docs_say():
     """k8s_charts/examples/llama3-8b-torchtitan-p5.yaml's program.args, parsed by torchtitan 0.3.0 itself
     (torchtitan/config/manager.py) with the image's config module: a misspelt flag fails here, not on p5."""
-    program = yaml.safe_load((REPO / "k8s_charts/examples/llama3-8b-torchtitan-p5.yaml").read_text())["program"]
+    spec = yaml.safe_load((REPO / "k8s_charts/examples/llama3-8b-torchtitan-p5.yaml").read_text())
+    program = spec["program"]
     script = f"""
 import json, os, sys
 sys.path.insert(0, {str(REPO / "training/docker/torchtitan")!r})
+os.environ.update({spec["env"]!r})  # the job spec's env, as the pod has it (LLAMA3_ASSETS among it)
 os.environ["PLATFORM_CHECKPOINT_DIR"] = "/fsx/checkpoints/llama3-8b-torchtitan"
 from torchtitan.config import ConfigManager
 c = ConfigManager().parse_args({program["args"]!r})
 print(json.dumps(dict(checkpoint=[c.checkpoint.enable, c.checkpoint.folder, c.checkpoint.exclude_from_loading],
     compile=c.compile.enable, fsdp=c.parallelism.data_parallel_shard_degree, tp=c.parallelism.tensor_parallel_degree,
     ac=type(c.activation_checkpoint).__qualname__, param=c.training.mixed_precision_param,
-    steps=c.training.steps, seq_len=c.training.seq_len, dump=c.dump_folder)))
+    steps=c.training.steps, seq_len=c.training.seq_len, dump=c.dump_folder, assets=c.hf_assets_path)))
 """
     found = subprocess.run([str(TITAN_PYTHON), "-c", script], capture_output=True, text=True, timeout=300)
     assert found.returncode == 0, found.stderr[-3000:]
     assert json.loads(found.stdout.strip().splitlines()[-1]) == {
         "checkpoint": [True, "/fsx/checkpoints/llama3-8b-torchtitan", ["dataloader"]], "compile": True,
         "fsdp": -1, "tp": 1, "ac": "SelectiveAC.Config", "param": "bfloat16", "steps": 10000, "seq_len": 8192,
-        "dump": "/fsx/runs/llama3-8b-torchtitan"}
+        "dump": "/fsx/runs/llama3-8b-torchtitan", "assets": spec["env"]["LLAMA3_ASSETS"]}
