@@ -292,3 +292,30 @@ def test_preflight_counts_the_compute_environments_into_the_ec2_quotas():
     p_quota = checks["quota Running On-Demand P instances"]
     # p4d on EKS (max 4) and on Batch (max 4): 8 x 96 vCPUs.
     assert p_quota.detail == "400 vCPUs, need 768 (max nodes x vCPUs)" and not p_quota.passed
+
+
+def test_logs_rank_on_batch_is_the_node_holding_that_rank_and_pod_is_the_node_index(monkeypatch, capsys):
+    """As on EKS (trainctl logs --rank): the node whose agent claims the rank in its newest node_ranks
+    line; --pod INDEX the node by index; the options Batch cannot serve are one line, not ignored."""
+    import json
+
+    from trainctl import __main__ as trainctl
+    from trainctl.batch import BatchStatus
+
+    def ranks(node: int, held: list[int]) -> str:
+        return json.dumps({"event": "node_ranks", "time": 1.0, "group_rank": node, "group_world_size": 2,
+                           "global_ranks": held}) + "\n"
+
+    logs = {0: "node 0\n" + ranks(0, [0, 1]), 1: "node 1\n" + ranks(1, [2, 3])}
+    monkeypatch.setattr(BatchJobs, "__init__", lambda self, session, config: None)
+    monkeypatch.setattr(BatchJobs, "status", lambda self, name: BatchStatus(name, "id", "RUNNING", "", [], 2))
+    monkeypatch.setattr(BatchJobs, "log", lambda self, name, node: logs[node])
+    monkeypatch.setattr(trainctl, "_session", lambda args: None)
+    base = ["logs", "j", "--backend", "batch", "--config", "config/batch-example.yaml"]
+    for extra, expected in ((["--rank", "3"], "node 1"), ([], "node 0"), (["--pod", "1"], "node 1")):
+        assert trainctl.main(base + extra) == 0
+        assert capsys.readouterr().out.startswith(expected), extra
+    assert trainctl.main(base + ["--rank", "4"]) == 2
+    assert "--rank: got 4, which no node of j holds now" in capsys.readouterr().err
+    assert trainctl.main(base + ["--follow"]) == 2
+    assert "logs --backend batch: got --follow" in capsys.readouterr().err

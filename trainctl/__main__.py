@@ -309,7 +309,12 @@ def batch(args, config) -> int:
         report = jobs.status(args.name)
         print(report.format() if args.output == "text" else _dump(asdict(report), args.output))
     elif args.command == "logs":
-        print(jobs.log(args.name, args.rank), end="")
+        unsupported = [f"--{o}" for o in ("all", "follow", "previous", "since") if getattr(args, o)]
+        if unsupported:
+            raise UserError(f"logs --backend batch: got {unsupported[0]}", "allowed with batch: --rank or --pod "
+                            "(each node's log in CloudWatch Logs, the newest attempt)")
+        node = args.pod if args.pod is not None else jobs.node_for_rank(args.name, args.rank or 0)
+        print(jobs.log(args.name, node), end="")
     elif args.command == "cancel":
         jobs.cancel(args.name)
         print(f"cancelled {args.name} on AWS Batch; checkpoints stay on the file system and in S3")
