@@ -14,13 +14,15 @@ launcher's entry script from that volume, read-only.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 from config import PlatformConfig
 from k8s_charts.job_spec import JobSpec
 from trainctl.errors import UserError, check_name
 from training.contract import (
-    LAUNCHER_ENTRY, LAUNCHER_MOUNT, NODE_RANKS_EVENT, SPOT_NOTICE_ENV, batch_launch_command, launcher_copy_command,
+    LAUNCHER_ENTRY, LAUNCHER_MOUNT, SPOT_NOTICE_ENV, batch_launch_command, launcher_copy_command,
 )
 
 # Batch's job states (Batch API, JobStatus); the first five are still to finish.
@@ -183,19 +185,15 @@ class BatchJobs:
         return "".join(e["message"] + "\n" for e in events)
 
     def node_for_rank(self, name: str, rank: int) -> int:
-        """The node whose workers hold global rank ``rank``: the one whose agent says so in its
-        newest ``node_ranks`` line (training/launcher/agent.py), as on EKS."""
-        from trainctl.jobs import metrics_events
+        """The node whose workers hold global rank ``rank``, from its agent's newest ``node_ranks``
+        line, as on EKS (trainctl.jobs.pod_for_rank)."""
+        from trainctl.jobs import newest_claim, rank_claim
 
+        claims = {}
         for node in range(self.status(name).nodes):
-            try:
-                rounds = [e for e in metrics_events(self.log(name, node)) if e["event"] == NODE_RANKS_EVENT]
-            except UserError:  # no log yet
-                continue
-            if rounds and rank in rounds[-1]["global_ranks"]:
-                return node
-        raise UserError(f"--rank: got {rank}, which no node of {name} holds now",
-                        "allowed: a rank below the job's world size once it runs; `--pod INDEX` picks node INDEX")
+            with contextlib.suppress(UserError):  # no log yet
+                claims[node] = rank_claim(self.log(name, node), rank)
+        return newest_claim(claims, rank, name, "node", "once it runs")
 
     def cancel(self, name: str) -> None:
         job = self._job(name)

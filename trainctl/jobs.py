@@ -274,20 +274,29 @@ def metrics_events(log_text: str) -> list[dict]:
     return events
 
 
+def rank_claim(log_text: str, rank: int) -> float | None:
+    """When a node's agent last said its workers hold global rank ``rank`` (its newest
+    ``node_ranks`` line, training/launcher/agent.py), or None if that line does not name it."""
+    rounds = [e for e in metrics_events(log_text) if e["event"] == NODE_RANKS_EVENT]
+    return rounds[-1]["time"] if rounds and rank in rounds[-1]["global_ranks"] else None
+
+
+def newest_claim(claims: dict, rank: int, name: str, what: str, where: str):
+    """The key of the newest claim on ``rank``, or one line saying none holds it."""
+    held = {key: at for key, at in claims.items() if at is not None}
+    if not held:
+        raise UserError(f"--rank: got {rank}, which no {what} of {name} holds now",
+                        f"allowed: a rank below the world size {where} once the job has formed its group; "
+                        f"`--pod INDEX` picks a {what} by its index instead")
+    return max(held, key=held.get)
+
+
 def pod_for_rank(jobs: Jobs, name: str, rank: int) -> str:
-    """The pod whose workers hold global rank ``rank`` now: the newest of its agent's
-    ``node_ranks`` lines (training/launcher/agent.py) that names it. A pod's index is not its
-    rank: a regroup hands places out in the order nodes join."""
-    claims = []
-    for pod in sorted(p.metadata.name for p in jobs.pods(name)):
-        rounds = [e for e in metrics_events(jobs.log(pod)) if e["event"] == NODE_RANKS_EVENT]
-        if rounds and rank in rounds[-1]["global_ranks"]:
-            claims.append((rounds[-1]["time"], pod))
-    if not claims:
-        raise UserError(f"--rank: got {rank}, which no pod of {name} holds now",
-                        f"allowed: a rank below the world size in `trainctl status {name}` once the job has formed "
-                        "its group; `--pod INDEX` picks a pod by its index instead")
-    return max(claims)[1]
+    """The pod whose workers hold global rank ``rank`` now. A pod's index is not its rank: a
+    regroup hands places out in the order nodes join."""
+    pods = sorted(p.metadata.name for p in jobs.pods(name))
+    return newest_claim({pod: rank_claim(jobs.log(pod), rank) for pod in pods}, rank, name, "pod",
+                        f"in `trainctl status {name}`")
 
 
 def pod_at_index(jobs: Jobs, name: str, index: int) -> str:

@@ -40,7 +40,7 @@ from k8s_charts.job_spec import JobSpec
 from trainctl.errors import UserError, check_name
 from training.contract import (
     EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, FINAL_EXITS, FSX_MOUNT,
-    LAUNCH_ENVIRONMENT, NODE_RANKS_EVENT, PLATFORM_TUNING, checkpoint_step, etcd_arguments, launch_command,
+    LAUNCH_ENVIRONMENT, PLATFORM_TUNING, checkpoint_step, etcd_arguments, launch_command,
 )
 
 ETCD_ENV = "TRAINCTL_ETCD"  # an etcd binary to use instead of the one found
@@ -632,21 +632,14 @@ def _node_of(args, nodes: list[dict]) -> int:
         if not 0 <= args.pod < len(nodes):
             raise UserError(f"--pod: got {args.pod}", f"allowed: a node from 0 to {len(nodes) - 1}")
         return args.pod
-    from trainctl.jobs import metrics_events
+    from trainctl.jobs import newest_claim, rank_claim
 
     rank = args.rank or 0
-    claims = []
+    claims = {}
     for index, node in enumerate(nodes):
         with contextlib.suppress(OSError):
-            rounds = [e for e in metrics_events(Path(node["log"]).read_text(errors="replace"))
-                      if e["event"] == NODE_RANKS_EVENT]
-            if rounds and rank in rounds[-1]["global_ranks"]:
-                claims.append((rounds[-1]["time"], index))
-    if not claims:
-        raise UserError(f"--rank: got {rank}, which no node of {args.name} holds now",
-                        f"allowed: a rank below the world size in `trainctl status {args.name} --backend local`; "
-                        "`--pod INDEX` picks node INDEX's log instead")
-    return max(claims)[1]
+            claims[index] = rank_claim(Path(node["log"]).read_text(errors="replace"), rank)
+    return newest_claim(claims, rank, args.name, "node", f"in `trainctl status {args.name} --backend local`")
 
 
 def run(args, config: PlatformConfig) -> int:
