@@ -5,7 +5,7 @@ trainctl) builds pod commands and environments from it; the launcher, agent, ren
 trainer read the same names. It holds:
 
 - how a training pod is launched: :func:`launch_command` (torchrun's flags, the platform's
-  rendezvous and its tuning) and the AWS Batch variant;
+  rendezvous and its tuning) and the AWS Batch and Slurm variants;
 - the exit statuses the job controllers act on, the environment names the launcher and the
   trainer share, and checkpoint file names;
 - how an etcd member of the rendezvous store is started (:func:`etcd_arguments`), its ports,
@@ -271,6 +271,52 @@ def batch_rendezvous_arguments(environ: dict[str, str]) -> list[str]:
     attempt = environ.get("AWS_BATCH_JOB_ATTEMPT", "1")
     return [f"--nnodes={nodes}", f"--node-rank={(index - main) % nodes}", "--rdzv-backend=static",
             f"--master-addr={address}", f"--rdzv-id={job}-{attempt}"]
+
+
+# Slurm (AWS ParallelCluster): sbatch allocates the nodes, one task per node runs the launcher, and the
+# job is requeued whole when a node fails. The allocation's size is fixed once the job starts (any of
+# min..max), so, as on Batch, the launcher replaces this flag on each node by torchrun's static
+# rendezvous at the allocation's first node, read from the task's Slurm variables (srun(1), "OUTPUT
+# ENVIRONMENT VARIABLES"): SLURM_NODEID is the node's index in the step, SLURM_LAUNCH_NODE_IPADDR the
+# address of the node srun ran on, the batch host, which is the first node of the allocation and so
+# node 0 of a step over all of it. Each requeued incarnation (SLURM_RESTART_COUNT, absent on the
+# first) is a run of its own.
+SLURM_NODE_FLAG = "--slurm-job"
+SLURM_MASTER_PORT = 29500
+
+
+class SlurmEnvironmentError(ValueError):
+    """The Slurm task variables are missing or wrong: the command ran outside an srun step."""
+
+
+def slurm_launch_command(*, nproc_per_node: int, max_restarts: int, kill_wait_s: int, python: str = "python",
+                         master_port: int = SLURM_MASTER_PORT, program: Sequence[str] = TRAINER_PROGRAM,
+                         launcher: str | None = None) -> list[str]:
+    """The command each node's task of a Slurm job runs, ending with ``program``. ``kill_wait_s`` is
+    the cluster's KillWait, Slurm's time between SIGTERM and SIGKILL when it ends a job: the workers'
+    stop budget lies inside it."""
+    argv, start = _launcher(python, program, launcher)
+    return [*argv, SLURM_NODE_FLAG, f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}",
+            f"--master-port={master_port}", *start, f"--shutdown-timeout={shutdown_timeout(kill_wait_s)}",
+            *program]
+
+
+def slurm_rendezvous_arguments(environ: Mapping[str, str]) -> list[str]:
+    """torchrun's static rendezvous for this node's task of a Slurm job (see SLURM_NODE_FLAG)."""
+    try:
+        job = int(environ["SLURM_JOB_ID"])
+        index = int(environ["SLURM_NODEID"])
+        nodes = int(environ["SLURM_JOB_NUM_NODES"])
+        restart = int(environ.get("SLURM_RESTART_COUNT", "0"))
+        address = environ["SLURM_LAUNCH_NODE_IPADDR"]
+    except (KeyError, ValueError) as exc:
+        raise SlurmEnvironmentError(f"{SLURM_NODE_FLAG}: Slurm's task variables are missing or invalid ({exc}); "
+                                    "allowed: inside an srun step of a Slurm job") from None
+    if not 0 <= index < nodes:
+        raise SlurmEnvironmentError(f"{SLURM_NODE_FLAG}: SLURM_NODEID {index} is not one of the job's {nodes} "
+                                    "nodes; allowed: one task per node of the whole allocation")
+    return [f"--nnodes={nodes}", f"--node-rank={index}", "--rdzv-backend=static", f"--master-addr={address}",
+            f"--rdzv-id=slurm-{job}-{restart}"]
 
 
 def shutdown_timeout(grace_period_s: int) -> int:

@@ -32,8 +32,9 @@ import time
 
 from training.contract import (
     AGENT_PID_ENV, BATCH_NODE_FLAG, CHECKPOINT_DIR_ENV, CONTROL_DIR_ENV, EXIT_CONFIG, EXIT_CRASH_LOOP,
-    EXIT_RESTART_JOB, FINAL_EXITS, LAUNCH_ENVIRONMENT, PROGRESS_FILE_ENV, STOP_BUDGET_ENV, TRAINER_MODULE,
-    BatchEnvironmentError, batch_rendezvous_arguments, checkpoint_step, program_checkpoint_step,
+    EXIT_RESTART_JOB, FINAL_EXITS, LAUNCH_ENVIRONMENT, PROGRESS_FILE_ENV, SLURM_NODE_FLAG, STOP_BUDGET_ENV,
+    TRAINER_MODULE, BatchEnvironmentError, SlurmEnvironmentError, batch_rendezvous_arguments, checkpoint_step,
+    program_checkpoint_step, slurm_rendezvous_arguments,
 )
 
 log = logging.getLogger("training.launcher")
@@ -153,13 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     from training.launcher import agent, rendezvous
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if BATCH_NODE_FLAG in argv:
-        try:
-            position = argv.index(BATCH_NODE_FLAG)
-            argv[position:position + 1] = batch_rendezvous_arguments(dict(os.environ))
-        except BatchEnvironmentError as exc:
-            print(f"config error: {exc}", file=sys.stderr)
-            return EXIT_CONFIG
+    # A scheduler's fixed allocation (AWS Batch, Slurm): the node's place comes from the scheduler's variables.
+    for flag, place in ((BATCH_NODE_FLAG, batch_rendezvous_arguments), (SLURM_NODE_FLAG, slurm_rendezvous_arguments)):
+        if flag in argv:
+            try:
+                position = argv.index(flag)
+                argv[position:position + 1] = place(dict(os.environ))
+            except (BatchEnvironmentError, SlurmEnvironmentError) as exc:
+                print(f"config error: {exc}", file=sys.stderr)
+                return EXIT_CONFIG
     args = torchrun.parse_args(argv)
     trainer_config = None
     packaged = args.module and args.training_script == TRAINER_MODULE

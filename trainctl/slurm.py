@@ -1,0 +1,296 @@
+"""The same job spec on Slurm (AWS ParallelCluster, the slurm stack): an sbatch script rendered from it,
+and submit, status, logs, cancel and list through a shell on the head node (trainctl/slurm_transport.py).
+
+The script asks for min..max whole nodes of the node group's queue and runs one task per node: the
+platform's launcher with torchrun's static rendezvous at the allocation's first node
+(training.contract.slurm_launch_command). A lost node makes Slurm requeue the whole job
+(``--requeue``): the script runs again on a fresh allocation, of any size from min to max, and the
+trainer resumes from its newest checkpoint on /fsx, as after any restart on EKS. The workers' stop
+budget lies inside the cluster's KillWait, Slurm's time between SIGTERM and SIGKILL.
+
+Each node's output goes to its own file under the job's folder on /fsx (``logs/node-<index>.log``,
+appended across incarnations, as a pod's log is per pod); the script's own output, with one line per
+incarnation, to ``logs/batch.log``.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from config import PlatformConfig
+from k8s_charts.job_charts import cache_environment, nccl_environment, spot_environment
+from k8s_charts.job_spec import JobSpec
+from trainctl.errors import UserError
+from trainctl.jobs import metrics_events, newest_claim, rank_claim
+from training.contract import (
+    EXIT_RESTART_JOB, FSX_MOUNT, LAUNCH_ENVIRONMENT, LAUNCHER_ENTRY, LAUNCHER_MOUNT, PLATFORM_APP_DIR,
+    launcher_copy_command, slurm_launch_command,
+)
+
+# What `trainctl list` shows: jobs submitted by trainctl for this platform carry this comment.
+COMMENT_PREFIX = "trainctl:"
+NODE_LOG = "node-%n.log"  # srun --output: %n is the node's index in the job (srun(1), "filename pattern")
+BATCH_LOG = "batch.log"
+INCARNATION_EVENT = "slurm_incarnation"
+
+
+def job_folder(name: str) -> str:
+    """A Slurm job's logs and launcher copy on the shared file system, outside the S3-linked folders."""
+    return f"{FSX_MOUNT}/slurm/{name}"
+
+
+def log_folder(name: str) -> str:
+    return f"{job_folder(name)}/logs"
+
+
+@dataclass(frozen=True)
+class SlurmRuntime:
+    """How the nodes run the job: the job's image under Pyxis/Enroot (``python`` None), or a Python
+    environment on the nodes where the platform's package is installed (a cluster without Pyxis)."""
+
+    python: str | None = None
+
+    @property
+    def container(self) -> bool:
+        return self.python is None
+
+
+def pyxis_image(image: str) -> str:
+    """An image reference as enroot reads it: the registry separated from the repository by '#'
+    (enroot doc/cmd/import.md, ``docker://[USER@][REGISTRY#]IMAGE[:TAG]``; Pyxis's --container-image)."""
+    registry, _, rest = image.partition("/")
+    return f"{registry}#{rest}" if "." in registry or ":" in registry else image
+
+
+class Expand(str):
+    """A word of the script the shell expands (a Slurm variable in it): written in double quotes.
+    Only the platform's own paths are ever one: no quote, backquote or backslash can be in them."""
+
+
+def _words(parts: list[str]) -> str:
+    return " ".join(f'"{part}"' if isinstance(part, Expand) else shlex.quote(part) for part in parts)
+
+
+def job_environment(config: PlatformConfig, spec: JobSpec) -> dict[str, str]:
+    """The environment every node's task gets: the same functions the EKS pods' comes from."""
+    group = spec.group(config)
+    instance = group.instance
+    return {**nccl_environment(spec.efa_devices(config) > 0, rdma=instance.efa_rdma),
+            **cache_environment(spec, config), **LAUNCH_ENVIRONMENT, "OMP_NUM_THREADS": "1",
+            **spot_environment(group), **spec.program_environment(), **spec.env}
+
+
+def render_script(config: PlatformConfig, spec: JobSpec, *, partition: str, kill_wait_s: int,
+                  runtime: SlurmRuntime = SlurmRuntime()) -> str:
+    """The sbatch script of ``spec`` (validated against ``config``), for the queue ``partition``."""
+    own_program = spec.program is not None
+    logs = log_folder(spec.name)
+    launcher = None
+    if runtime.container and own_program:
+        launcher = LAUNCHER_ENTRY
+    command = slurm_launch_command(
+        nproc_per_node=spec.nproc_per_node(config), max_restarts=spec.max_restarts, kill_wait_s=kill_wait_s,
+        python=runtime.python or "python", program=spec.program_arguments(config), launcher=launcher)
+    nodes = f"{spec.min_nodes}-{spec.max_nodes}" if spec.min_nodes < spec.max_nodes else str(spec.max_nodes)
+    lines = [
+        "#!/bin/bash",
+        f"# Rendered by trainctl from job spec {spec.name!r} for platform {config.name_prefix!r}: render it again,",
+        "# rather than edit it (trainctl submit --backend slurm --dry-run prints it).",
+        f"#SBATCH --job-name={spec.name}",
+        f"#SBATCH --partition={partition}",
+        # Whole instances, min..max of them: Slurm starts the job on as many as it can give at once.
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --exclusive",
+        # A failed node requeues the job (with the cluster's JobRequeue=1 this is the default; said here).
+        "#SBATCH --requeue",
+        f"#SBATCH --output={logs}/{BATCH_LOG}",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --comment={COMMENT_PREFIX}{config.name_prefix}",
+        "set -uo pipefail",
+    ]
+    env = job_environment(config, spec)
+    lines += [f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())]
+    # One JSON line per incarnation in batch.log: trainctl status counts the requeues from them.
+    lines.append(f'echo "{{\\"event\\": \\"{INCARNATION_EVENT}\\", \\"job\\": \\"{spec.name}\\", '
+                 '\\"job_id\\": $SLURM_JOB_ID, \\"restart\\": ${SLURM_RESTART_COUNT:-0}, '
+                 '\\"nodes\\": $SLURM_JOB_NUM_NODES, \\"nodelist\\": \\"$SLURM_JOB_NODELIST\\", '
+                 '\\"time\\": $(date +%s.%N)}"')
+    srun: list[str] = ["srun", "--ntasks-per-node=1",
+                       # One node's task failing ends the step on every node: the trainer's exit statuses
+                       # (config error, divergence) end the job, and a requeue starts every node afresh.
+                       "--kill-on-bad-exit=1", f"--output={logs}/{NODE_LOG}", "--open-mode=append"]
+    if runtime.container:
+        mounts = [f"{FSX_MOUNT}:{FSX_MOUNT}"]
+        if own_program:
+            # The job's own image may lack the launcher: a copy from the platform's image, per
+            # incarnation, mounted read-only (as the init container does on EKS).
+            copy = f"{job_folder(spec.name)}/launcher-${{SLURM_JOB_ID}}-${{SLURM_RESTART_COUNT:-0}}"
+            lines.append(f'mkdir -p "{copy}"')
+            platform_image = pyxis_image(config.jobs.launcher_image)
+            lines.append(_words(["srun", "--nodes=1", "--ntasks=1", f"--container-image={platform_image}",
+                                 Expand(f"--container-mounts={copy}:{LAUNCHER_MOUNT}"),
+                                 f"--container-workdir={PLATFORM_APP_DIR}", "--no-container-mount-home",
+                                 *launcher_copy_command(LAUNCHER_MOUNT)]))
+            mounts.append(f"{copy}:{LAUNCHER_MOUNT}:ro")
+        srun += [f"--container-image={pyxis_image(spec.image)}", Expand(f"--container-mounts={','.join(mounts)}"),
+                 "--no-container-mount-home"]
+        if not own_program:
+            srun.append(f"--container-workdir={PLATFORM_APP_DIR}")
+    lines.append(_words([*srun, *command]))
+    lines += [
+        "code=$?",
+        # The launcher asks for a fresh incarnation (workers failed for good after progress): a requeue.
+        f"if [ \"$code\" -eq {EXIT_RESTART_JOB} ]; then scontrol requeue \"$SLURM_JOB_ID\"; fi",
+        "exit \"$code\"",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# --- operating jobs through the head node's shell ------------------------------------------------
+
+# squeue's states of a job that has not ended (squeue(1), "JOB STATE CODES").
+ACTIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
+                 "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD")
+_FIELDS = ("job_id", "name", "state", "reason", "nodes", "nodelist", "elapsed", "comment")
+# squeue --format: %i id, %j name, %T state, %r reason, %D nodes, %N node list, %M time used, %k comment.
+_FORMAT = "%i|%j|%T|%r|%D|%N|%M|%k"
+
+
+@dataclass
+class SlurmStatus:
+    name: str
+    job_id: str
+    state: str
+    reason: str
+    nodes: int
+    nodelist: str
+    restarts: int
+    exit_code: str
+    incarnations: list[dict]
+    last_step: dict | None
+    checkpoint: dict | None
+    where: str
+
+    @property
+    def finished(self) -> bool:
+        return self.state not in ACTIVE_STATES
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "job_id": self.job_id, "state": self.state, "reason": self.reason,
+                "finished": self.finished, "nodes": self.nodes, "nodelist": self.nodelist, "restarts": self.restarts,
+                "exit_code": self.exit_code, "incarnations": self.incarnations, "last_step": self.last_step,
+                "checkpoint": self.checkpoint}
+
+    def format(self) -> str:
+        reason = f" ({self.reason})" if self.reason and self.reason != "None" else ""
+        lines = [f"job {self.name} (Slurm job {self.job_id}, {self.where}): {self.state}{reason}",
+                 f"nodes: {self.nodes}" + (f" ({self.nodelist})" if self.nodelist else ""),
+                 f"requeued: {self.restarts} time(s)" + (f"; exit code {self.exit_code}" if self.finished else "")]
+        for i in self.incarnations:
+            lines.append(f"  incarnation {i['restart']}: {i['nodes']} node(s) {i['nodelist']}")
+        if self.last_step:
+            s = self.last_step
+            lines.append(f"last step: {s['step']} (epoch {s['epoch']}), loss {s['loss']}, world size "
+                         f"{s.get('world_size', '?')}, {s['samples_per_s']} samples/s")
+        if self.checkpoint:
+            lines.append(f"newest checkpoint: {self.checkpoint['path']} (step {self.checkpoint['step']})")
+        return "\n".join(lines)
+
+
+class SlurmJobs:
+    """Jobs of this platform on a Slurm cluster, through ``shell`` (a trainctl.slurm_transport.SlurmShell)."""
+
+    def __init__(self, shell, config: PlatformConfig):
+        self.shell = shell
+        self.config = config
+        self.comment = f"{COMMENT_PREFIX}{config.name_prefix}"
+
+    def _run(self, *argv: str, input: str | None = None, ok: tuple[int, ...] = (0,)) -> str:
+        done = self.shell.run(list(argv), input=input)
+        if done.returncode not in ok:
+            detail = (done.stderr or done.stdout).strip().splitlines()
+            raise UserError(f"{argv[0]} on {self.shell.where} failed (exit {done.returncode}): "
+                            f"{detail[-1] if detail else 'no output'}",
+                            "check the cluster with `sinfo` on the head node, then retry")
+        return done.stdout
+
+    def jobs(self, name: str | None = None) -> list[dict]:
+        """This platform's jobs Slurm still knows (running, or ended within MinJobAge), oldest first."""
+        argv = ["squeue", "--noheader", "--states=all", f"--format={_FORMAT}"]
+        if name:
+            argv.append(f"--name={name}")
+        rows = []
+        for line in self._run(*argv).splitlines():
+            values = line.split("|", len(_FIELDS) - 1)
+            if len(values) == len(_FIELDS):
+                row = dict(zip(_FIELDS, values, strict=True))
+                if row["comment"] == self.comment:
+                    rows.append(row)
+        return sorted(rows, key=lambda r: int(r["job_id"].split("_")[0]))
+
+    def active(self, name: str) -> list[dict]:
+        return [row for row in self.jobs(name) if row["state"] in ACTIVE_STATES]
+
+    def submit(self, spec: JobSpec, script: str) -> str:
+        running = self.active(spec.name)
+        if running:
+            row = running[-1]
+            raise UserError(f"job {spec.name!r} is already {row['state']} as Slurm job {row['job_id']}",
+                            f"wait for it, cancel it (`trainctl cancel {spec.name} --backend slurm`), or rename the job")
+        # sbatch opens --output before the script runs: its folder must exist (sbatch(1), --output).
+        out = self._run("bash", "-ec", 'mkdir -p "$1" && exec sbatch --parsable', "sbatch", log_folder(spec.name),
+                        input=script)
+        return out.strip().split(";")[0]
+
+    def newest(self, name: str) -> dict:
+        rows = self.jobs(name)
+        if not rows:
+            raise UserError(f"no Slurm job {name!r} of platform {self.config.name_prefix} on {self.shell.where}",
+                            "see `trainctl list --backend slurm` (Slurm forgets an ended job after MinJobAge)")
+        return rows[-1]
+
+    def status(self, name: str, tail: int = 400) -> SlurmStatus:
+        row = self.newest(name)
+        details = dict(field.split("=", 1) for field in self._run(
+            "scontrol", "show", "job", row["job_id"], "--oneline").split() if "=" in field)
+        logs = log_folder(name)
+        batch = metrics_events(self._run("tail", "-n", str(tail), f"{logs}/{BATCH_LOG}", ok=(0, 1)))
+        node0 = metrics_events(self._run("tail", "-n", str(tail), f"{logs}/node-0.log", ok=(0, 1)))
+
+        def last(kind):
+            return next((e for e in reversed(node0) if e["event"] == kind), None)
+
+        return SlurmStatus(
+            name=name, job_id=row["job_id"], state=row["state"], reason=row["reason"], nodes=int(row["nodes"] or 0),
+            nodelist=row["nodelist"], restarts=int(details.get("Restarts", "0")),
+            exit_code=details.get("ExitCode", ""), where=self.shell.where,
+            incarnations=[e for e in batch if e["event"] == INCARNATION_EVENT and str(e["job_id"]) == row["job_id"]],
+            last_step=last("step"), checkpoint=last("checkpoint_saved"))
+
+    def logs(self, name: str, *, rank: int | None = None, pod: int | None = None, tail: int = 200) -> str:
+        self.newest(name)
+        folder = log_folder(name)
+        files = sorted(f for f in self._run("ls", folder, ok=(0, 2)).split() if f.startswith("node-"))
+        if pod is not None:
+            wanted = f"node-{pod}.log"
+            if wanted not in files:
+                raise UserError(f"--pod: got {pod}, and job {name} has no node {pod}",
+                                f"allowed: 0 to {len(files) - 1}" if files else "the job has not started yet")
+            chosen = wanted
+        else:
+            rank = 0 if rank is None else rank
+            texts = {f: self._run("tail", "-n", "2000", f"{folder}/{f}") for f in files}
+            chosen = newest_claim({f: rank_claim(text, rank) for f, text in texts.items()}, rank, name, "node",
+                                  f"in `trainctl status {name} --backend slurm`")
+        return self._run("tail", "-n", str(tail), f"{folder}/{chosen}")
+
+    def cancel(self, name: str) -> list[str]:
+        """scancel the job's active incarnation: SIGTERM, then SIGKILL after KillWait (scancel(1))."""
+        ids = [row["job_id"] for row in self.active(name)]
+        if not ids:
+            raise UserError(f"no active Slurm job {name!r} of platform {self.config.name_prefix}",
+                            "nothing to cancel; see `trainctl list --backend slurm`")
+        self._run("scancel", *ids)
+        return ids
