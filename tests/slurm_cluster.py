@@ -141,6 +141,11 @@ class SlurmCluster:
         self._spawn(f"slurmd-{name}", [_binary("unshare"), "--mount", "--propagation", "private", "sh", "-c", script,
                                        "sh", str(self.fsx), _binary("slurmd"), name, str(self.conf)])
 
+    def head_node(self, argv: list[str]) -> list[str]:
+        """``argv`` run as on the head node: with the shared file system at /fsx."""
+        return [_binary("unshare"), "--mount", "--propagation", "private", "sh", "-c",
+                f'mount --bind "$0" {FSX_MOUNT} && exec "$@"', str(self.fsx), *argv]
+
     def _spawn(self, key: str, argv: list[str]) -> None:
         with open(self.root / "log" / f"{key}.out", "ab") as log:  # the child keeps its own descriptor
             self.processes[key] = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
