@@ -173,14 +173,24 @@ def efa_checks(config: PlatformConfig, ec2) -> list[Check]:
     return checks
 
 
-def quota_checks(config: PlatformConfig, quotas) -> list[Check]:
-    needed: dict[tuple[str, str, str], int] = defaultdict(int)
+def quota_checks(config: PlatformConfig, quotas, extra_groups: list[tuple[str, int, str]] = ()) -> list[Check]:
+    """EC2 vCPU quotas against every node the platform may run at once.
+
+    ``extra_groups``: more (instance type, max nodes, "ON_DEMAND" or "SPOT"), e.g.
+    slurm_quota_groups(queues) for the Slurm stack's queues, which draw on the same quotas.
+    """
     groups = [(g.instance_type, g.max_size, g.capacity_type.value) for g in config.accelerated_node_groups]
     groups.append((config.system_node_group.instance_type, config.system_node_group.max_size, "ON_DEMAND"))
     # A Batch compute environment draws on the same EC2 quotas, beside the EKS group it mirrors.
     by_name = {g.name: g for g in config.accelerated_node_groups}
     groups += [(by_name[n].instance_type, by_name[n].max_size, by_name[n].capacity_type.value)
                for n in (config.batch.node_groups if config.batch else [])]
+    return vcpu_quota_checks([*groups, *extra_groups], quotas)
+
+
+def vcpu_quota_checks(groups: list[tuple[str, int, str]], quotas) -> list[Check]:
+    """One check per quota: the sum of max nodes x vCPUs of the (type, max nodes, capacity) groups."""
+    needed: dict[tuple[str, str, str], int] = defaultdict(int)
     for instance_type, nodes, capacity in groups:
         table = SPOT_QUOTAS if capacity == "SPOT" else ON_DEMAND_QUOTAS
         code, name = table[quota_family(instance_type)]
@@ -192,6 +202,136 @@ def quota_checks(config: PlatformConfig, quotas) -> list[Check]:
         checks.append(Check(f"quota {name}", ok, f"{value} vCPUs, need {vcpus} (max nodes x vCPUs)",
                             "" if ok else f"request {vcpus} vCPUs for {code} in Service Quotas, or lower max_size"))
     return checks
+
+
+def slurm_quota_groups(queues: list[tuple[str, str, int]]) -> list[tuple[str, int, str]]:
+    """The Slurm queues (name, instance type, max nodes) as quota groups: ParallelCluster launches
+    its compute nodes On-Demand unless a queue says CapacityType: SPOT, and ours do not."""
+    return [(instance_type, max_nodes, "ON_DEMAND") for _name, instance_type, max_nodes in queues]
+
+
+# What a deployed Slurm stack holds: the ParallelCluster provider (a nested stack from
+# cloudformation/custom_resource/cluster.yaml) and a Custom::PclusterCluster, whose Lambda
+# returns the ClusterName as the physical id and creates the cluster's own CloudFormation stack,
+# named after the cluster (aws-parallelcluster cli/src/pcluster/models/cluster.py:
+# Cluster.stack_name is the name) and tagged parallelcluster:version (models/cluster.py,
+# cluster_resources.py ClusterStack.version). That stack's status is the cluster's status, with
+# rollbacks renamed *_FAILED (api/converters.py cloud_formation_status_to_cluster_status); the
+# custom resource's poll counts CREATE_COMPLETE and UPDATE_COMPLETE as done.
+PCLUSTER_RESOURCE = "Custom::PclusterCluster"
+PCLUSTER_VERSION_TAG = "parallelcluster:version"
+HEALTHY_CLUSTER = ("CREATE_COMPLETE", "UPDATE_COMPLETE")
+CLUSTER_STATUS = {"ROLLBACK_IN_PROGRESS": "CREATE_FAILED", "ROLLBACK_FAILED": "CREATE_FAILED",
+                  "ROLLBACK_COMPLETE": "CREATE_FAILED", "UPDATE_ROLLBACK_FAILED": "UPDATE_FAILED",
+                  "UPDATE_ROLLBACK_COMPLETE": "UPDATE_FAILED"}
+
+
+def slurm_checks(session, *, region: str, stack_name: str, cluster_name: str,
+                 pcluster_version: str | None = None) -> list[Check]:
+    """The Slurm stack, its ParallelCluster cluster, and the head node trainctl reaches through SSM.
+
+    Quotas are not here: pass slurm_quota_groups(queues) to quota_checks, which sums them with
+    the node groups drawing on the same quotas.
+    """
+    checks = slurm_stack_checks(session.client("cloudformation", region_name=region), stack_name=stack_name,
+                                cluster_name=cluster_name, pcluster_version=pcluster_version)
+    if checks[0].passed:
+        checks.append(head_node_ssm_check(session.client("ec2", region_name=region),
+                                          session.client("ssm", region_name=region), cluster_name=cluster_name,
+                                          region=region))
+    return checks
+
+
+def _stack(cloudformation, name: str) -> dict | None:
+    from botocore.exceptions import ClientError
+
+    try:
+        return cloudformation.describe_stacks(StackName=name)["Stacks"][0]
+    except ClientError as exc:
+        if "does not exist" not in str(exc):
+            raise
+        return None
+
+
+def _stack_fix(name: str, status: str) -> str:
+    if status.endswith("_IN_PROGRESS"):
+        return "wait for it to finish, then run preflight again"
+    return f"see why: aws cloudformation describe-stack-events --stack-name {name}"
+
+
+def slurm_stack_checks(cloudformation, *, stack_name: str, cluster_name: str,
+                       pcluster_version: str | None = None) -> list[Check]:
+    stack = _stack(cloudformation, stack_name)
+    if stack is None:
+        return [Check(f"Slurm stack {stack_name}", False, "not deployed", f"npx cdk deploy {stack_name}")]
+    status = stack["StackStatus"]
+    ok = status.endswith("_COMPLETE") and status not in ("ROLLBACK_COMPLETE", "DELETE_COMPLETE")
+    checks = [Check(f"Slurm stack {stack_name}", ok, status, "" if ok else (
+        f"its creation failed: delete it and deploy again ({_stack_fix(stack_name, status)})"
+        if status == "ROLLBACK_COMPLETE" else _stack_fix(stack_name, status)))]
+    resources = [r for page in cloudformation.get_paginator("list_stack_resources").paginate(StackName=stack_name)
+                 for r in page["StackResourceSummaries"]]
+    providers = [r for r in resources
+                 if r["ResourceType"] == "AWS::CloudFormation::Stack" and "ClusterProvider" in r["LogicalResourceId"]]
+    if not providers:
+        checks.append(Check("ParallelCluster provider", False, f"no nested PclusterClusterProvider stack in "
+                            f"{stack_name}", f"deploy {stack_name} from this repository"))
+    for provider in providers:
+        done = provider["ResourceStatus"] in ("CREATE_COMPLETE", "UPDATE_COMPLETE")
+        checks.append(Check(f"ParallelCluster provider {provider['LogicalResourceId']}", done,
+                            provider["ResourceStatus"], "" if done else _stack_fix(stack_name, provider["ResourceStatus"])))
+    custom = [r for r in resources if r["ResourceType"] == PCLUSTER_RESOURCE]
+    if not custom:
+        checks.append(Check("ParallelCluster cluster resource", False, f"no {PCLUSTER_RESOURCE} in {stack_name}",
+                            f"deploy {stack_name} from this repository"))
+        return checks
+    named = custom[0].get("PhysicalResourceId")
+    if named and named != cluster_name:
+        checks.append(Check(f"ParallelCluster cluster {cluster_name}", False, f"{stack_name} holds cluster {named!r}",
+                            f"name the cluster {named!r} in the config, or deploy {stack_name} again"))
+        return checks
+    checks.append(cluster_stack_check(cloudformation, cluster_name, pcluster_version))
+    return checks
+
+
+def cluster_stack_check(cloudformation, cluster_name: str, pcluster_version: str | None = None) -> Check:
+    """The cluster's own stack, as `pcluster describe-cluster` reads it (without the pcluster CLI)."""
+    name = f"ParallelCluster cluster {cluster_name}"
+    stack = _stack(cloudformation, cluster_name)
+    if stack is None:
+        return Check(name, False, f"no stack {cluster_name}: ParallelCluster did not create the cluster",
+                     "see the provider's log group /aws/lambda/pcluster-cfn-* for the custom resource's error")
+    tags = {t["Key"]: t["Value"] for t in stack.get("Tags", [])}
+    version = tags.get(PCLUSTER_VERSION_TAG)
+    if version is None:
+        return Check(name, False, f"stack {cluster_name} has no {PCLUSTER_VERSION_TAG} tag: not a ParallelCluster "
+                     "cluster", "give the cluster a name no other stack uses")
+    status = stack["StackStatus"]
+    cluster_status = CLUSTER_STATUS.get(status, status)
+    if status not in HEALTHY_CLUSTER:
+        return Check(name, False, f"{cluster_status} (stack {status}), ParallelCluster {version}",
+                     _stack_fix(cluster_name, status))
+    if pcluster_version and version != pcluster_version:
+        return Check(name, False, f"ParallelCluster {version}, the stack pins {pcluster_version}",
+                     "deploy the Slurm stack again to update the cluster")
+    return Check(name, True, f"{cluster_status}, ParallelCluster {version}")
+
+
+def head_node_ssm_check(ec2, ssm, *, cluster_name: str, region: str) -> Check:
+    """trainctl reaches Slurm through SSM Run Command on the head node: its agent must be Online."""
+    from trainctl.errors import UserError
+    from trainctl.slurm_transport import find_head_node, not_registered, ssm_ping_status
+
+    name = f"head node of {cluster_name} online in SSM"
+    try:
+        instance = find_head_node(ec2, cluster_name, region)
+    except UserError as exc:
+        return Check(name, False, exc.cause, exc.fix)
+    status = ssm_ping_status(ssm, instance)
+    if status == "Online":
+        return Check(name, True, f"{instance} is Online")
+    error = not_registered(instance, cluster_name, status)
+    return Check(name, False, error.cause, error.fix)
 
 
 def bootstrap_check(config: PlatformConfig, cloudformation) -> Check:
