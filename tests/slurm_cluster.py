@@ -142,8 +142,8 @@ class SlurmCluster:
                                        "sh", str(self.fsx), _binary("slurmd"), name, str(self.conf)])
 
     def head_node(self, argv: list[str]) -> list[str]:
-        """``argv`` run as on the head node: with the shared file system at /fsx."""
-        return [_binary("unshare"), "--mount", "--propagation", "private", "sh", "-c",
+        """``argv`` run as on the head node: Slurm's commands find this cluster, and the shared file system is at /fsx."""
+        return ["env", f"SLURM_CONF={self.conf}", _binary("unshare"), "--mount", "--propagation", "private", "sh", "-c",
                 f'mount --bind "$0" {FSX_MOUNT} && exec "$@"', str(self.fsx), *argv]
 
     def _spawn(self, key: str, argv: list[str]) -> None:

@@ -76,7 +76,6 @@ class HeadNode(LocalShell):
     """trainctl's commands as on the head node: Slurm's tools, and the shared file system at /fsx."""
 
     def __init__(self, slurm: SlurmCluster):
-        super().__init__(env=slurm.env)
         self.slurm = slurm
 
     def run(self, argv, *, input=None, timeout=60):
