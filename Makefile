@@ -47,7 +47,7 @@ CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
 XLA_VENV := .venv-xla
 XLA_STAMP := $(XLA_VENV)/.installed
 NODE_STAMP := node_modules/.installed
-DEB_PACKAGES := etcd-server
+DEB_PACKAGES := etcd-server slurmctld slurmd slurm-client
 
 .PHONY: synth diff-offline test test-fast test-xla test-titan setup-deploy setup-test system-packages benchmark lock clean
 
@@ -138,7 +138,8 @@ $(NODE_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-# Debian packages for the tests (a real etcd for rendezvous tests). Installed only when missing.
+# Debian packages for the tests: a real etcd for the rendezvous tests, and Slurm (slurmctld, slurmd,
+# its client and munge) for the sbatch script's requeue drill (tests/slurm_cluster.py). Installed only when missing.
 system-packages:
 	@missing=""; for p in $(DEB_PACKAGES); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \

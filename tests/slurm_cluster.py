@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.contract import FSX_MOUNT
+from training.contract import FSX_MOUNT, SLURM_KILL_WAIT_S
 import contextlib
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue", "sinfo", "scontrol", "scancel", "unshare")
@@ -60,7 +60,7 @@ class SlurmCluster:
     partition: str
     nodes: tuple[str, ...] = ("node1", "node2")
     cpus: int = 2
-    kill_wait_s: int = 60
+    kill_wait_s: int = SLURM_KILL_WAIT_S  # the slurm stack's
     # How long a requeued job is held: Slurm makes it eligible cred_expire + 1 s after the requeue
     # (its old credentials must expire first); 120 s by default (slurm.conf AuthInfo cred_expire).
     cred_expire_s: int = 10

@@ -67,7 +67,7 @@ def events(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), partition=PARTITION, kill_wait_s=30).start()
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), partition=PARTITION).start()
     yield cluster
     cluster.stop()
 

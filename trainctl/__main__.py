@@ -115,11 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
                                             help="text for people (default), json or yaml for scripts")
     for name in JOB_COMMANDS:
         commands.choices[name].add_argument(
-            "--backend", choices=("eks", "batch", "local"), default="eks",
-            help="eks (Volcano on the cluster, elastic), batch (AWS Batch multi-node parallel, fixed size) or "
+            "--backend", choices=("eks", "batch", "slurm", "local"), default="eks",
+            help="eks (Volcano on the cluster, elastic), batch (AWS Batch multi-node parallel, fixed size), "
+                 "slurm (the ParallelCluster of the slurm stack, requeued on a lost node) or "
                  "local (this machine, CPU, a real etcd and agents: trainctl.local)")
         commands.choices[name].add_argument("--workdir", type=Path,
                                             help="--backend local: its folder (default ~/.cache/trainctl-local)")
+        commands.choices[name].add_argument(
+            "--on-head-node", action="store_true",
+            help="--backend slurm: run Slurm's commands here (you are on the head node) instead of through SSM")
+    slurm = commands.choices["submit"].add_argument_group("--backend slurm")
+    slurm.add_argument("--python", metavar="PATH",
+                       help="run the job with this Python on the nodes (the platform's package installed in it, e.g. "
+                            "on /fsx) instead of its image under Pyxis")
     local = commands.choices["submit"].add_argument_group("--backend local")
     local.add_argument("--nodes", type=int, help="agents to start (default: max_nodes, as many as fit this machine)")
     local.add_argument("--nproc-per-node", type=int, help="CPU workers per agent (default 1)")
@@ -191,6 +199,9 @@ def header(args, config, source: ConfigSource) -> str:
         return f"{line}; AWS Batch in {config.region}"
     if backend == "local":
         return f"{line}; this machine (--backend local, CPU)"
+    if backend == "slurm":
+        how = "this machine as its head node" if args.on_head_node else "its head node through SSM"
+        return f"{line}; Slurm cluster {config.slurm_cluster_name if config.slurm else '(none)'} in {config.region}, {how}"
     cluster = f"kubeconfig context {args.context}" if args.context else (
         f"cluster {config.name_prefix} in {config.region}")
     verb = "for " if args.command == "render" else ""
@@ -230,6 +241,13 @@ def run(args, config) -> int:
 
         raise UserError(f"--backend {args.backend}: got --workdir, --nodes or --nproc-per-node",
                         "allowed with --backend local only")
+    if getattr(args, "backend", "eks") == "slurm":
+        return slurm(args, config)
+    if getattr(args, "on_head_node", False) or getattr(args, "python", None):
+        from trainctl.errors import UserError
+
+        raise UserError(f"--backend {args.backend}: got {'--on-head-node' if args.on_head_node else '--python'}",
+                        "allowed with --backend slurm only")
     if getattr(args, "backend", "eks") == "batch":
         return batch(args, config)
     if args.command == "submit":
@@ -325,6 +343,81 @@ def batch(args, config) -> int:
         for row in listed if args.output == "text" else ():
             print(f"{row['name']:<40} {row['state']}")
     return 0
+
+
+def slurm(args, config) -> int:
+    """submit, status, logs, cancel and list on the slurm stack's ParallelCluster (trainctl.slurm)."""
+    from k8s_charts.job_spec import load_job_spec
+    from trainctl.errors import UserError, check_name
+    from trainctl.slurm import SlurmJobs, SlurmRuntime, render_for
+
+    if config.slurm is None:
+        raise UserError("--backend slurm: this platform has no slurm section",
+                        "add `slurm: {queues: [{node_group: ...}]}` to the config and deploy "
+                        "(see config/slurm-example.yaml)")
+    if args.command == "submit":
+        spec = load_job_spec(args.job, config)
+        script = render_for(config, spec, SlurmRuntime(python=args.python))  # checked before any call
+        if args.nccl_check or args.follow or args.replace:
+            given = "--nccl-check" if args.nccl_check else "--follow" if args.follow else "--replace"
+            raise UserError(f"--backend slurm: got {given}", "allowed with slurm: --dry-run, --wait, --python; "
+                            "read logs with `trainctl logs NAME --backend slurm`")
+        if args.dry_run:
+            if args.dry_run == "server":
+                raise UserError("--backend slurm: got --dry-run=server", "allowed: --dry-run (prints the sbatch script)")
+            print(script, end="")
+            return 0
+        jobs = SlurmJobs(_slurm_shell(args, config), config)
+        job_id = jobs.submit(spec, script)
+        print(f"submitted {spec.name} to Slurm (job {job_id}), {spec.min_nodes}..{spec.max_nodes} nodes "
+              f"of queue {spec.node_group}")
+        if args.wait:
+            said = None
+            while True:
+                report = jobs.status(spec.name)
+                if (report.state, report.restarts) != said:
+                    _say(f"{spec.name}: {report.state}" + (f" (requeued {report.restarts})" if report.restarts else ""))
+                    said = (report.state, report.restarts)
+                if report.finished:
+                    return 0 if report.state == "COMPLETED" else 1
+                time.sleep(args.interval)
+        return 0
+    if args.command == "cancel" and (args.all or args.name is None):
+        raise UserError("cancel --backend slurm: got --all or no name", "allowed: `trainctl cancel NAME --backend slurm`")
+    name = getattr(args, "name", None)
+    if name is not None:
+        check_name("job name", name)
+    if args.command == "logs":
+        unsupported = [f"--{o}" for o in ("all", "follow", "previous", "since") if getattr(args, o)]
+        if unsupported:
+            raise UserError(f"logs --backend slurm: got {unsupported[0]}", "allowed with slurm: --rank or --pod "
+                            "(each node's log file on /fsx, every incarnation appended)")
+    jobs = SlurmJobs(_slurm_shell(args, config), config)
+    if args.command == "status":
+        report = jobs.status(args.name)
+        print(report.format() if args.output == "text" else _dump(report.as_dict(), args.output))
+    elif args.command == "logs":
+        print(jobs.logs(args.name, rank=args.rank, pod=args.pod), end="")
+    elif args.command == "cancel":
+        ids = jobs.cancel(args.name)
+        print(f"cancelled {args.name} (Slurm job {', '.join(ids)}): its nodes checkpoint within KillWait; "
+              "checkpoints stay on /fsx")
+    elif args.command == "list":
+        listed = [{"name": row["name"], "job_id": row["job_id"], "state": row["state"], "nodes": row["nodes"]}
+                  for row in jobs.jobs()]
+        if args.output != "text":
+            print(_dump(listed, args.output))
+        for row in listed if args.output == "text" else ():
+            print(f"{row['name']:<40} {row['state']:<12} job {row['job_id']}, {row['nodes']} node(s)")
+    return 0
+
+
+def _slurm_shell(args, config):
+    from trainctl.slurm_transport import LocalShell, SsmShell
+
+    if args.on_head_node:
+        return LocalShell()
+    return SsmShell(_session(args), region=config.region, cluster_name=config.slurm_cluster_name)
 
 
 def _dump(data, output: str) -> str:

@@ -24,7 +24,7 @@ from k8s_charts.job_spec import JobSpec
 from trainctl.errors import UserError
 from trainctl.jobs import metrics_events, newest_claim, rank_claim
 from training.contract import (
-    EXIT_RESTART_JOB, FSX_MOUNT, LAUNCH_ENVIRONMENT, LAUNCHER_ENTRY, LAUNCHER_MOUNT, PLATFORM_APP_DIR,
+    EXIT_RESTART_JOB, FSX_MOUNT, SLURM_KILL_WAIT_S, LAUNCH_ENVIRONMENT, LAUNCHER_ENTRY, LAUNCHER_MOUNT, PLATFORM_APP_DIR,
     launcher_copy_command, slurm_launch_command,
 )
 
@@ -79,6 +79,19 @@ def job_environment(config: PlatformConfig, spec: JobSpec) -> dict[str, str]:
     return {**nccl_environment(spec.efa_devices(config) > 0, rdma=instance.efa_rdma),
             **cache_environment(spec, config), **LAUNCH_ENVIRONMENT, "OMP_NUM_THREADS": "1",
             **spot_environment(group), **spec.program_environment(), **spec.env}
+
+
+def render_for(config: PlatformConfig, spec: JobSpec, runtime: SlurmRuntime = SlurmRuntime()) -> str:
+    """The script of ``spec`` for its node group's queue on the platform's Slurm cluster (config.slurm)."""
+    queues = [queue.node_group for queue in config.slurm.queues]
+    if spec.node_group not in queues:
+        raise UserError(f"node_group: got {spec.node_group!r}, which has no Slurm queue",
+                        f"allowed with --backend slurm: {', '.join(queues)} (slurm.queues in the platform config)")
+    if runtime.container and spec.program is not None and config.jobs.launcher_image is None:
+        raise UserError("program: the job runs its own program, and jobs.launcher_image is not set",
+                        "set jobs.launcher_image in the platform config, or pass --python")
+    return render_script(config, spec, partition=spec.node_group, kill_wait_s=SLURM_KILL_WAIT_S,
+                         runtime=runtime)
 
 
 def render_script(config: PlatformConfig, spec: JobSpec, *, partition: str, kill_wait_s: int,

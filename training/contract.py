@@ -283,13 +283,18 @@ def batch_rendezvous_arguments(environ: dict[str, str]) -> list[str]:
 # first) is a run of its own.
 SLURM_NODE_FLAG = "--slurm-job"
 SLURM_MASTER_PORT = 29500
+# The slurm stack's KillWait (ParallelCluster's own is 30 s, slurm.conf.erb of aws-parallelcluster-cookbook):
+# on scancel, a time limit or a requeue Slurm sends SIGTERM, then SIGKILL this much later (slurm.conf(5),
+# KillWait). As long as a training pod's grace period on EKS, so a stop checkpoint fits on either.
+SLURM_KILL_WAIT_S = 120
 
 
 class SlurmEnvironmentError(ValueError):
     """The Slurm task variables are missing or wrong: the command ran outside an srun step."""
 
 
-def slurm_launch_command(*, nproc_per_node: int, max_restarts: int, kill_wait_s: int, python: str = "python",
+def slurm_launch_command(*, nproc_per_node: int, max_restarts: int, kill_wait_s: int = SLURM_KILL_WAIT_S,
+                         python: str = "python",
                          master_port: int = SLURM_MASTER_PORT, program: Sequence[str] = TRAINER_PROGRAM,
                          launcher: str | None = None) -> list[str]:
     """The command each node's task of a Slurm job runs, ending with ``program``. ``kill_wait_s`` is
