@@ -62,6 +62,12 @@ ELSEWHERE = {
         NEEDS_AWS + " and a Docker engine",
     "docker build -f training/docker/Dockerfile.gpu -t $REPO:gpu-0.1.0 . && docker push $REPO:gpu-0.1.0":
         "needs a Docker engine and the registry (tests/test_images.py checks the Dockerfiles)",
+    ".venv/bin/trainctl submit k8s_charts/examples/resnet50-p4d.yaml --backend slurm --dry-run":
+        "needs a platform config with a slurm section (tests/test_slurm_cli.py runs it with config/slurm-example.yaml)",
+    ".venv/bin/trainctl submit k8s_charts/examples/resnet50-p4d.yaml --backend slurm":
+        NEEDS_AWS + " (tests/test_slurm_requeue.py runs submit, status, logs, cancel and list against a real Slurm)",
+    ".venv/bin/trainctl status resnet50-imagenet --backend slurm": NEEDS_AWS + " (tests/test_slurm_requeue.py)",
+    "trainctl cancel NAME --backend slurm": NEEDS_AWS + " (tests/test_slurm_requeue.py)",
     "kubectl describe pod": "needs a cluster",
     "kubectl -n kube-system logs deploy/cluster-autoscaler-aws-cluster-autoscaler": "needs a cluster",
 }
