@@ -87,12 +87,12 @@ class SlurmClusterProps:
     security_group: ec2.ISecurityGroup  # the worker nodes' group: node-to-node (EFA) and the Lustre clients FSx admits
     ssh_cidr: str  # the VPC's range: the head node is private
     file_system_id: str
+    mount_dir: str  # training.contract.FSX_MOUNT, as on EKS and Batch
     queues: Sequence[SlurmQueueProps]
     repository_arn: str  # the trainer image repository compute nodes pull from
     scaledown_idle_minutes: int = 10
     log_retention_days: int = 30
     retain_on_delete: bool = False
-    mount_dir: str = "/fsx"
 
 
 class SlurmCluster(Construct):
