@@ -30,7 +30,8 @@ EVERY_QUEUE = {**copy.deepcopy(SLURM), "accelerated_node_groups": [
     {"name": "g5", "instance_type": "g5.12xlarge", "min_size": 0, "desired_size": 0, "max_size": 2,
      "capacity_type": "SPOT", "efa": False, "placement_group": False},
 ], "slurm": {"queues": [{"node_group": g} for g in ("p4d", "p5en", "p3dn", "g5")],
-             "file_system": {"id": "fs-0123456789abcdef0", "availability_zone": "us-west-2a"}}}
+             "file_system": {"id": "fs-0123456789abcdef0", "availability_zone": "us-west-2a"},
+             "retain_on_delete": True}}
 
 
 def _slurm(synth, data=SLURM):
@@ -61,9 +62,7 @@ def test_cluster_resource_from_the_versioned_provider(synth):
 
 
 def test_retain_on_delete_keeps_the_cluster(synth):
-    data = {**copy.deepcopy(SLURM)}
-    data["slurm"] = {**data["slurm"], "retain_on_delete": True}
-    _, _, _, cluster = _slurm(synth, data)
+    _, _, _, cluster = _slurm(synth, EVERY_QUEUE)
     assert cluster["Properties"]["DeletionPolicy"] == "Retain"
 
 
