@@ -11,6 +11,10 @@ reached AWS. ``ClusterSchema.load`` makes one such call on purpose: SlurmCluster
 caches DescribeCapacityReservations for its validators and swallows the failure
 (aws-parallelcluster 3.16.1, pcluster/config/cluster_config.py, "Cache capacity reservations").
 ``--probe-aws`` makes a plain EC2 call and so must fail loudly: a test runs it.
+
+The configuration is loaded twice: as written, and as ParallelCluster's Lambda receives it, for
+CloudFormation hands a custom resource every number and boolean as a string
+(aws-cloudformation/cloudformation-coverage-roadmap issue 1037).
 """
 
 from __future__ import annotations
@@ -38,6 +42,19 @@ def _refuse(client, operation_name, api_params):
 botocore.client.BaseClient._make_api_call = _refuse
 
 
+def as_delivered(value):
+    """``value`` with every scalar a string, as CloudFormation passes custom-resource properties."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: as_delivered(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_delivered(v) for v in value]
+    return value
+
+
 def main() -> int:
     if sys.argv[1:] == ["--probe-aws"]:
         import boto3
@@ -54,11 +71,12 @@ def main() -> int:
 
     (cluster_name,) = sys.argv[1:]
     configuration = json.load(sys.stdin)
-    try:
-        ClusterSchema(cluster_name=cluster_name).load(configuration)
-    except ValidationError as error:
-        print(json.dumps(error.messages, sort_keys=True), file=sys.stderr)
-        return 1
+    for form, data in (("as written", configuration), ("as CloudFormation delivers it", as_delivered(configuration))):
+        try:
+            ClusterSchema(cluster_name=cluster_name).load(data)
+        except ValidationError as error:
+            print(f"{form}: {json.dumps(error.messages, sort_keys=True)}", file=sys.stderr)
+            return 1
     print(json.dumps({"version": get_installed_version(), "aws_calls": ATTEMPTED}))
     return 0
 
