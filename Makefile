@@ -44,6 +44,10 @@ TEST_STAMP := $(VENV)/.installed-test
 # checkov's own pins conflict with the project's lock: it gets a venv of its own.
 CHECKOV_VENV := .venv-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
+# ParallelCluster's schema, for the offline check of the slurm stack's cluster configuration at synth
+# (cdk_constructs/pcluster_schema.py): its wheel pins aws-cdk v1 and jsii, so a venv of its own, --no-deps.
+PCLUSTER_VENV := .venv-pcluster
+PCLUSTER_STAMP := $(PCLUSTER_VENV)/.installed
 XLA_VENV := .venv-xla
 XLA_STAMP := $(XLA_VENV)/.installed
 NODE_STAMP := node_modules/.installed
@@ -107,8 +111,8 @@ $(TITAN_STAMP): tests/requirements-torchtitan.txt training/requirements.txt
 benchmark: setup-test
 	$(PY) benchmarks/synth_time.py
 
-setup-deploy: $(DEPLOY_STAMP) $(NODE_STAMP)
-setup-test: $(TEST_STAMP) $(CHECKOV_STAMP) $(NODE_STAMP) system-packages
+setup-deploy: $(DEPLOY_STAMP) $(PCLUSTER_STAMP) $(NODE_STAMP)
+setup-test: $(TEST_STAMP) $(CHECKOV_STAMP) $(PCLUSTER_STAMP) $(NODE_STAMP) system-packages
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -127,6 +131,11 @@ $(TEST_STAMP): $(DEPLOY_STAMP) requirements-dev.txt training/requirements.txt co
 $(CHECKOV_STAMP): requirements-checkov.txt
 	$(PYTHON) -m venv $(CHECKOV_VENV)
 	$(REGISTRY_ONLY) $(CHECKOV_VENV)/bin/python -m pip install --quiet -r requirements-checkov.txt
+	touch $@
+
+$(PCLUSTER_STAMP): requirements-pcluster.txt
+	$(PYTHON) -m venv $(PCLUSTER_VENV)
+	$(REGISTRY_ONLY) $(PCLUSTER_VENV)/bin/python -m pip install --quiet --no-deps -r requirements-pcluster.txt
 	touch $@
 
 $(XLA_STAMP): requirements-xla.txt constraints.txt

@@ -72,3 +72,12 @@ def semver(version: str) -> tuple[int, int, int]:
     core = version.lstrip("v").split("-", 1)[0]
     major, minor, patch = (int(part) for part in core.split("."))
     return major, minor, patch
+
+
+# AWS ParallelCluster, for the optional slurm stack (stacks/slurm_stack.py): the one pin. It names the
+# provider template the stack nests (https://<region>-aws-parallelcluster.s3.<region>.<suffix>/parallelcluster/
+# <version>/templates/custom_resource/cluster.yaml, "Provider stack hosted by AWS ParallelCluster" in the
+# ParallelCluster User Guide) and the schema requirements-pcluster.txt installs to check the generated
+# configuration offline; tests/test_slurm_stack.py holds the two together. 3.16.1: the newest release on
+# PyPI, and the version the provider-stack page of the User Guide shows.
+PARALLELCLUSTER_VERSION = "3.16.1"

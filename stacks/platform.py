@@ -14,6 +14,7 @@ from stacks.batch_stack import BatchStack
 from stacks.cluster_stack import ClusterStack
 from stacks.network_stack import NetworkStack
 from stacks.registry_stack import RegistryStack
+from stacks.slurm_stack import SlurmStack
 from stacks.storage_stack import StorageStack
 
 
@@ -24,11 +25,13 @@ class Platform:
     storage: StorageStack
     cluster: ClusterStack
     batch: BatchStack | None = None
+    slurm: SlurmStack | None = None
 
     @property
     def stacks(self) -> list:
         """In deploy order: a stack comes after every stack it reads from."""
-        return [self.network, self.registry, self.storage, self.cluster] + ([self.batch] if self.batch else [])
+        optional = [stack for stack in (self.batch, self.slurm) if stack is not None]
+        return [self.network, self.registry, self.storage, self.cluster] + optional
 
     @property
     def teardown(self) -> list:
@@ -96,11 +99,19 @@ def add_platform_stacks(scope: Construct, config: PlatformConfig, env: Environme
             registry=registry, storage=storage, env=env,
             description=f"{prefix}: AWS Batch multi-node parallel training on the same network, storage and image",
         )
+    slurm = None
+    if config.slurm is not None:
+        slurm = SlurmStack(
+            scope, f"{prefix}-slurm", stack_name=f"{prefix}-slurm", config=config, network=network, storage=storage,
+            env=env, description=f"{prefix}: AWS ParallelCluster (Slurm) on the same network, storage and image",
+        )
+        # Its compute nodes pull from the registry's repository, named rather than referenced.
+        slurm.add_stack_dependency(registry)
     Aspects.of(scope).add(CheckovAcknowledgements())
     Tags.of(scope).add("platform", prefix)
     for key, value in sorted(config.tags.items()):
         Tags.of(scope).add(key, value)
-    return Platform(network=network, registry=registry, storage=storage, cluster=cluster, batch=batch)
+    return Platform(network=network, registry=registry, storage=storage, cluster=cluster, batch=batch, slurm=slurm)
 
 
 def add_policy_checks(app: App) -> None:

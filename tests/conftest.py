@@ -123,6 +123,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     ),
     # config/batch-example.yaml: AWS Batch beside EKS for the p4d group.
     "batch": yaml.safe_load((REPO / "config" / "batch-example.yaml").read_text()),
+    # config/slurm-example.yaml: AWS ParallelCluster (Slurm) beside EKS for the p4d group.
+    "slurm": yaml.safe_load((REPO / "config" / "slurm-example.yaml").read_text()),
 }
 
 

@@ -82,7 +82,7 @@ def test_the_manifests_as_users_scan_them_pass_every_check(tmp_path):
     assert failures(checkov(tmp_path, "kubernetes")) == []
 
 
-@pytest.mark.parametrize("variant", ["example", "every-family"])
+@pytest.mark.parametrize("variant", ["example", "every-family", "slurm"])
 def test_the_templates_pass_every_check(synth, tmp_path, variant):
     for stack, path in synth(VARIANTS[variant]).template_files().items():
         (tmp_path / f"{stack}.template.json").write_text(path.read_text())

@@ -34,8 +34,8 @@ def test_example_config_is_valid():
         pytest.param(
             {"colour": "blue"},
             "colour: unknown key; allowed keys here: accelerated_node_groups, account, batch, bucket, cluster, compute_az, "
-            "control_plane_az, ecr, fsx, jobs, monitoring, name_prefix, network, pipeline, region, system_node_group, tags, "
-            "versions",
+            "control_plane_az, ecr, fsx, jobs, monitoring, name_prefix, network, pipeline, region, slurm, system_node_group, "
+            "tags, versions",
             id="unknown-top-level-key",
         ),
         pytest.param(
