@@ -91,6 +91,7 @@ class SlurmClusterProps:
     queues: Sequence[SlurmQueueProps]
     repository_arn: str  # the trainer image repository compute nodes pull from
     scaledown_idle_minutes: int = 10
+    kill_wait_s: int = 30  # Slurm's KillWait, SIGTERM to SIGKILL when a job ends (its stop budget); 30 is ParallelCluster's
     log_retention_days: int = 30
     retain_on_delete: bool = False
 
@@ -172,7 +173,11 @@ def cluster_configuration(props: SlurmClusterProps, refs: ClusterReferences) -> 
         },
         "Scheduling": {
             "Scheduler": "slurm",
-            "SlurmSettings": {"ScaledownIdletime": props.scaledown_idle_minutes},
+            # KillWait replaces ParallelCluster's 30 s (its slurm.conf.erb; CustomSlurmSettings are included
+            # last and KillWait is not on its deny list, validators/slurm_settings_validator.py): the time a
+            # cancelled or requeued job's workers get to checkpoint.
+            "SlurmSettings": {"ScaledownIdletime": props.scaledown_idle_minutes,
+                              "CustomSlurmSettings": [{"KillWait": props.kill_wait_s}]},
             "SlurmQueues": [queue_configuration(queue, refs, root_volume, custom_action("compute"))
                             for queue in props.queues],
         },

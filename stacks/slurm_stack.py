@@ -12,7 +12,7 @@ from config.model import CapacityType
 from config.versions import PARALLELCLUSTER_VERSION
 from stacks.network_stack import NetworkStack
 from stacks.storage_stack import StorageStack
-from training.contract import FSX_MOUNT
+from training.contract import FSX_MOUNT, SLURM_KILL_WAIT_S
 
 
 class SlurmStack(Stack):
@@ -40,7 +40,8 @@ class SlurmStack(Stack):
             # The registry's repository, by name, as the Batch stack names it: no cross-stack export to pin.
             repository_arn=self.format_arn(service="ecr", resource="repository",
                                            resource_name=config.ecr.repository_name),
-            scaledown_idle_minutes=slurm.scaledown_idle_minutes, log_retention_days=slurm.log_retention_days,
+            scaledown_idle_minutes=slurm.scaledown_idle_minutes, kill_wait_s=SLURM_KILL_WAIT_S,
+            log_retention_days=slurm.log_retention_days,
             retain_on_delete=slurm.retain_on_delete, mount_dir=FSX_MOUNT))
         CfnOutput(self, "ClusterName", value=config.slurm_cluster_name,
                   description="The ParallelCluster cluster (pcluster describe-cluster --cluster-name)")

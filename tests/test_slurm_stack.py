@@ -244,3 +244,11 @@ def test_the_slurm_stack_acknowledges_only_the_reviewed_finding(synth):
                 found.update({(construct.node.path, rule): reason for rule, reason in entry.data.items()})
     assert set(found) == {("mltrain-slurm/Slurm/ImagePullPolicy", "AwsSolutions::AwsSolutions-IAM5[Resource::*]")}
     assert all(len(reason) > 30 for reason in found.values())
+
+
+def test_kill_wait_is_the_stop_budget_the_scripts_are_rendered_with(synth):
+    from training.contract import SLURM_KILL_WAIT_S
+
+    _, _, _, cluster = _slurm(synth)
+    settings = cluster["Properties"]["ClusterConfiguration"]["Scheduling"]["SlurmSettings"]
+    assert settings["CustomSlurmSettings"] == [{"KillWait": SLURM_KILL_WAIT_S}]
