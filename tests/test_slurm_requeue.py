@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from config import PlatformConfig
-from k8s_charts.job_spec import parse_job_spec
+from tests.conftest import REPO
 from tests.slurm_cluster import SlurmCluster, missing
-from trainctl.slurm import SlurmJobs, SlurmRuntime, log_folder, render_script
-from trainctl.slurm_transport import LocalShell
+from tests.trainctl_fixtures import one_error
+from trainctl.slurm import log_folder
 from training.devtools.drills import GLOBAL_BATCH, INTERVAL, every_sample_once
 from training.devtools.local_cluster import wait_until
 
@@ -37,16 +36,17 @@ SAMPLES = 96_000
 KILL_AFTER_STEP = 300
 
 
-def platform_config() -> PlatformConfig:
-    raw = yaml.safe_load(Path("config/example.yaml").read_text())
+def platform_config() -> dict:
+    raw = yaml.safe_load((REPO / "config/example.yaml").read_text())
     # One accelerator per node (the catalog's g5.xlarge): one worker per node, on CPU here.
     raw["accelerated_node_groups"].append(
         {"name": PARTITION, "instance_type": "g5.xlarge", "min_size": 0, "desired_size": 0, "max_size": 2})
-    return PlatformConfig.model_validate(raw)
+    raw["slurm"] = {"queues": [{"node_group": PARTITION}]}
+    return raw
 
 
-def job_spec(config: PlatformConfig, name: str, samples: int = SAMPLES):
-    return parse_job_spec({
+def job_spec(name: str, samples: int = SAMPLES) -> dict:
+    return {
         "name": name, "image": "123456789012.dkr.ecr.us-west-2.amazonaws.com/trainer:gpu-0.1.0",
         "node_group": PARTITION, "min_nodes": 1, "max_nodes": 2, "checkpoint_path": f"/fsx/{name}/checkpoints",
         "trainer_args": {
@@ -56,7 +56,7 @@ def job_spec(config: PlatformConfig, name: str, samples: int = SAMPLES):
             "train.device": "cpu", "optim.lr": 0.05, "checkpoint.interval_steps": INTERVAL,
             "metrics.sample_log_dir": f"/fsx/{name}/samples",
         },
-    }, config)
+    }
 
 
 def events(path: Path) -> list[dict]:
@@ -68,30 +68,33 @@ def events(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), partition=PARTITION).start()
+    (cluster.root / "platform.yaml").write_text(yaml.safe_dump(platform_config()))
     yield cluster
     cluster.stop()
 
 
-class HeadNode(LocalShell):
-    """trainctl's commands as on the head node: Slurm's tools, and the shared file system at /fsx."""
-
-    def __init__(self, slurm: SlurmCluster):
-        self.slurm = slurm
-
-    def run(self, argv, *, input=None, timeout=60):
-        return super().run(self.slurm.head_node(list(argv)), input=input, timeout=timeout)
+def trainctl(slurm: SlurmCluster, *args: str) -> subprocess.CompletedProcess:
+    """trainctl as an operator runs it on the head node (--on-head-node): Slurm's commands and /fsx are there."""
+    argv = [sys.executable, "-m", "trainctl", "--config", str(slurm.root / "platform.yaml"), *args,
+            "--backend", "slurm", "--on-head-node"]
+    return subprocess.run(slurm.head_node(argv), cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def jobs(slurm):
-    return SlurmJobs(HeadNode(slurm), platform_config())
+def status(slurm: SlurmCluster, name: str) -> dict:
+    done = trainctl(slurm, "status", name, "-o", "json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 
-def submit(jobs: SlurmJobs, slurm: SlurmCluster, name: str, samples: int = SAMPLES) -> str:
-    config = jobs.config
-    script = render_script(config, job_spec(config, name, samples), partition=PARTITION,
-                           kill_wait_s=slurm.kill_wait_s, runtime=SlurmRuntime(python=sys.executable))
-    return jobs.submit(job_spec(config, name, samples), script)
+def submit(slurm: SlurmCluster, name: str, samples: int = SAMPLES) -> str:
+    path = slurm.root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job_spec(name, samples)))
+    # The nodes run the launcher from this project's Python (no Pyxis here): --python.
+    done = trainctl(slurm, "submit", str(path), "--python", sys.executable)
+    assert done.returncode == 0, done.stderr
+    found = re.search(r"^submitted \S+ to Slurm \(job (\d+)\)", done.stdout, flags=re.M)
+    assert found, done.stdout
+    return found.group(1)
 
 
 def requeue_time(slurm: SlurmCluster, job_id: str) -> float:
@@ -103,10 +106,10 @@ def requeue_time(slurm: SlurmCluster, job_id: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def requeued(slurm, jobs):
+def requeued(slurm):
     """The drill: two nodes train, the batch host is killed mid-run, the job is requeued and completes."""
     name = "requeue"
-    job_id = submit(jobs, slurm, name)
+    job_id = submit(slurm, name)
     node0 = slurm.fsx / log_folder(name).removeprefix("/fsx/") / "node-0.log"
 
     def trained_past_kill_point():
@@ -114,29 +117,29 @@ def requeued(slurm, jobs):
         return steps and steps[-1]["step"] >= KILL_AFTER_STEP and steps[-1]["world_size"] == 2
 
     wait_until(trained_past_kill_point, "two nodes training past the kill point", timeout=180, poll=0.2)
-    before = jobs.status(name)
-    batch_host = dict(f.split("=", 1) for f in slurm.run("scontrol", "show", "job", job_id, "--oneline").stdout.split()
-                      if "=" in f)["BatchHost"]
+    before = status(slurm, name)
+    details = slurm.run("scontrol", "show", "job", job_id, "--oneline").stdout.split()
+    batch_host = dict(f.split("=", 1) for f in details if "=" in f)["BatchHost"]
     killed_at = time.time()
     slurm.kill_node(batch_host)
-    wait_until(lambda: jobs.status(name).finished, "the requeued job to finish", timeout=300, poll=1)
-    return {"name": name, "job_id": job_id, "before": before, "after": jobs.status(name), "batch_host": batch_host,
+    wait_until(lambda: status(slurm, name)["finished"], "the requeued job to finish", timeout=300, poll=1)
+    return {"name": name, "job_id": job_id, "before": before, "after": status(slurm, name), "batch_host": batch_host,
             "killed_at": killed_at, "node0": events(node0), "requeued_at": requeue_time(slurm, job_id)}
 
 
 def test_the_job_trains_on_two_nodes_and_trainctl_reports_it(requeued):
     before = requeued["before"]
-    assert before.state == "RUNNING" and before.nodes == 2 and before.restarts == 0
-    assert [i["nodes"] for i in before.incarnations] == [2]
-    assert before.last_step["world_size"] == 2 and before.last_step["step"] >= KILL_AFTER_STEP
+    assert before["state"] == "RUNNING" and before["nodes"] == 2 and before["restarts"] == 0
+    assert [i["nodes"] for i in before["incarnations"]] == [2]
+    assert before["last_step"]["world_size"] == 2 and before["last_step"]["step"] >= KILL_AFTER_STEP
 
 
 def test_a_lost_node_requeues_the_job_which_resumes_exactly_and_completes(requeued, slurm):
     after = requeued["after"]
-    assert after.state == "COMPLETED", after.format()
-    assert after.restarts == 1
-    assert [(i["restart"], i["nodes"]) for i in after.incarnations] == [(0, 2), (1, 1)]
-    assert requeued["batch_host"] not in after.incarnations[1]["nodelist"]
+    assert after["state"] == "COMPLETED", after
+    assert after["restarts"] == 1
+    assert [(i["restart"], i["nodes"]) for i in after["incarnations"]] == [(0, 2), (1, 1)]
+    assert requeued["batch_host"] not in after["incarnations"][1]["nodelist"]
     node0 = requeued["node0"]
     incarnation = [i for i, e in enumerate(node0) if e["event"] == "resume"]
     assert len(incarnation) == 1, "exactly one resume, in the requeued incarnation"
@@ -145,8 +148,7 @@ def test_a_lost_node_requeues_the_job_which_resumes_exactly_and_completes(requeu
     resume = second_run[0]
     # From the newest checkpoint the first incarnation wrote: nothing it saved is lost.
     assert resume["step"] == max(saved)
-    assert [e["world_size"] for e in second_run if e["event"] == "step"] and {
-        e["world_size"] for e in second_run if e["event"] == "step"} == {1}
+    assert {e["world_size"] for e in second_run if e["event"] == "step"} == {1}
     assert second_run[-1]["event"] == "finished" and second_run[-1]["step"] == SAMPLES // GLOBAL_BATCH
     assert every_sample_once(slurm.fsx / requeued["name"], SAMPLES)
     reached = max(e["step"] for e in first_run if e["event"] == "step")
@@ -158,35 +160,50 @@ def test_a_lost_node_requeues_the_job_which_resumes_exactly_and_completes(requeu
     print(f"\nslurm requeue drill: {json.dumps(figures)}")
 
 
-def test_cancel_stops_the_job_with_a_checkpoint_inside_kill_wait(slurm, jobs):
+def test_logs_by_rank_and_by_node(requeued, slurm):
+    rank0 = trainctl(slurm, "logs", requeued["name"], "--rank", "0")
+    assert rank0.returncode == 0, rank0.stderr
+    assert '"event": "finished"' in rank0.stdout  # node 0 of the last incarnation held rank 0
+    node1 = trainctl(slurm, "logs", requeued["name"], "--pod", "1")
+    assert node1.returncode == 0 and '"global_ranks": [1]' in node1.stdout  # the killed incarnation's second node
+    missing_rank = trainctl(slurm, "logs", requeued["name"], "--rank", "5")
+    assert missing_rank.returncode == 2 and one_error(missing_rank.stderr).startswith(
+        "error: --rank: got 5, which no node of requeue holds now")
+
+
+def test_cancel_stops_the_job_with_a_checkpoint_inside_kill_wait(slurm, requeued):
     name = "cancelled"
-    submit(jobs, slurm, name, samples=2_000_000)
+    submit(slurm, name, samples=2_000_000)
     node0 = slurm.fsx / log_folder(name).removeprefix("/fsx/") / "node-0.log"
     wait_until(lambda: any(e["event"] == "checkpoint_saved" for e in events(node0)), "a first checkpoint",
                timeout=180, poll=0.2)
-    ids = jobs.cancel(name)
-    assert len(ids) == 1
-    wait_until(lambda: jobs.status(name).finished, "the cancelled job to end", timeout=slurm.kill_wait_s + 30, poll=1)
-    status = jobs.status(name)
-    assert status.state == "CANCELLED"
+    cancel = trainctl(slurm, "cancel", name)
+    assert cancel.returncode == 0 and cancel.stdout.startswith(f"cancelled {name} (Slurm job "), cancel
+    wait_until(lambda: status(slurm, name)["finished"], "the cancelled job to end", timeout=slurm.kill_wait_s + 30,
+               poll=1)
+    assert status(slurm, name)["state"] == "CANCELLED"
     ended = events(node0)
-    assert ended[-1]["event"] == "stop" or any(e["event"] == "stop" for e in ended), ended[-3:]
     stop = next(e for e in reversed(ended) if e["event"] == "stop")
     saved = [e for e in ended if e["event"] == "checkpoint_saved"]
-    assert saved[-1]["step"] == stop["step"], "the stop wrote a checkpoint at the step it stopped on"
-    # Nothing of the job is left on either node.
-    for node in slurm.nodes:
+    assert stop["signal"] == "SIGTERM" and saved[-1]["step"] == stop["step"], "a stop checkpoint where it stopped"
+    for node in slurm.nodes:  # nothing of the job is left on either node
         assert slurm.node_processes_left(node) == []
-    listed = {row["name"]: row["state"] for row in jobs.jobs()}
-    assert listed == {"requeue": "COMPLETED", "cancelled": "CANCELLED"}
+    listed = trainctl(slurm, "list", "-o", "json")
+    assert {row["name"]: row["state"] for row in json.loads(listed.stdout)} == {
+        "requeue": "COMPLETED", "cancelled": "CANCELLED"}
+    again = trainctl(slurm, "cancel", name)
+    assert again.returncode == 2 and one_error(again.stderr) == (
+        f"error: no active Slurm job '{name}' of platform mltrain; fix: nothing to cancel; "
+        "see `trainctl list --backend slurm`")
 
 
-def test_a_second_submit_of_an_active_job_is_refused(slurm, jobs):
+def test_a_second_submit_of_an_active_job_is_refused(slurm, requeued):
     name = "twice"
-    submit(jobs, slurm, name, samples=2_000_000)
+    submit(slurm, name, samples=2_000_000)
     try:
-        with pytest.raises(Exception, match="already (PENDING|RUNNING)"):
-            submit(jobs, slurm, name)
+        again = trainctl(slurm, "submit", str(slurm.root / f"{name}.yaml"), "--python", sys.executable)
+        assert again.returncode == 2 and re.fullmatch(
+            rf"error: job '{name}' is already (PENDING|RUNNING) as Slurm job \d+; fix: wait for it, cancel it "
+            rf"\(`trainctl cancel {name} --backend slurm`\), or rename the job", one_error(again.stderr))
     finally:
-        jobs.cancel(name)
-        subprocess.run(["true"])
+        trainctl(slurm, "cancel", name)
