@@ -9,6 +9,7 @@ reports the job throughout and cancels another one, which stops with a checkpoin
 from __future__ import annotations
 
 import json
+import shutil
 import re
 import subprocess
 import sys
@@ -123,6 +124,9 @@ def requeued(slurm):
     killed_at = time.time()
     slurm.kill_node(batch_host)
     wait_until(lambda: status(slurm, name)["finished"], "the requeued job to finish", timeout=300, poll=1)
+    # The instance comes back (ReturnToService=2): the later jobs have both nodes again.
+    slurm.start_node(batch_host)
+    slurm._wait(lambda: slurm.idle_nodes() == set(slurm.nodes), "both nodes idle again")
     return {"name": name, "job_id": job_id, "before": before, "after": status(slurm, name), "batch_host": batch_host,
             "killed_at": killed_at, "node0": events(node0), "requeued_at": requeue_time(slurm, job_id)}
 
@@ -155,6 +159,7 @@ def test_a_lost_node_requeues_the_job_which_resumes_exactly_and_completes(requeu
     first_step = next(e for e in second_run if e["event"] == "step")
     figures = {"steps_lost": reached - resume["step"],
                "requeue_to_first_step_s": round(first_step["time"] - requeued["requeued_at"], 1),
+               "requeue_to_script_start_s": round(after["incarnations"][1]["time"] - requeued["requeued_at"], 1),
                "kill_to_requeue_s": round(requeued["requeued_at"] - requeued["killed_at"], 1),
                "hold_s": slurm.cred_expire_s + 1}
     print(f"\nslurm requeue drill: {json.dumps(figures)}")
@@ -207,3 +212,25 @@ def test_a_second_submit_of_an_active_job_is_refused(slurm, requeued):
             rf"\(`trainctl cancel {name} --backend slurm`\), or rename the job", one_error(again.stderr))
     finally:
         trainctl(slurm, "cancel", name)
+
+
+def test_a_jobs_own_program_runs_under_the_same_script(slurm, requeued):
+    """A torchrun program of the job's own (FSDP2 and DCP, tests/programs/fsdp_dcp.py) on both nodes."""
+    name = "own-program"
+    program = slurm.fsx / "programs" / "fsdp_dcp.py"
+    program.parent.mkdir(exist_ok=True)
+    shutil.copy(REPO / "tests" / "programs" / "fsdp_dcp.py", program)
+    spec = {key: value for key, value in job_spec(name).items() if key != "trainer_args"}
+    spec["program"] = {"script": "/fsx/programs/fsdp_dcp.py",
+                       "args": ["--steps=40", "--interval=10", f"--loss-file=/fsx/{name}/loss.jsonl"]}
+    (slurm.fsx / name).mkdir()
+    path = slurm.root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    done = trainctl(slurm, "submit", str(path), "--python", sys.executable, "--wait")
+    assert done.returncode == 0, done.stdout + done.stderr
+    losses = [json.loads(line) for line in (slurm.fsx / name / "loss.jsonl").read_text().splitlines()]
+    assert [e["world_size"] for e in losses if e["event"] == "start"] == [2]  # both nodes, the killed one back
+    assert [e["step"] for e in losses if e["event"] == "step"] == list(range(1, 41))
+    # Its checkpoints went where the platform told it: $PLATFORM_CHECKPOINT_DIR, the spec's checkpoint_path.
+    assert sorted(p.name for p in (slurm.fsx / name / "checkpoints").iterdir() if not p.name.startswith("."))[-1] == (
+        "step-40")
