@@ -78,10 +78,12 @@ def test_a_deployed_healthy_cluster_passes():
         ("ParallelCluster cluster mltrain-slurm", True, "UPDATE_COMPLETE, ParallelCluster 3.16.1")]
 
 
-def test_a_slurm_stack_that_is_not_deployed_is_one_failure_with_the_deploy_command(aws):
+def test_before_the_first_deploy_a_missing_slurm_stack_passes_with_the_deploy_command(aws):
     # moto's CloudFormation, through the session: no such stack.
     checks = slurm_checks(aws, region=REGION, stack_name=STACK, cluster_name=CLUSTER)
-    assert [(c.passed, c.detail, c.fix) for c in checks] == [(False, "not deployed", "npx cdk deploy mltrain-slurm")]
+    assert [(c.passed, c.detail, c.fix) for c in checks] == [
+        (True, "not deployed yet: `npx cdk deploy mltrain-slurm` creates it; run preflight again afterwards to check "
+               "the cluster and its head node", "")]
 
 
 def test_a_failed_creation_says_to_delete_and_redeploy():
@@ -160,3 +162,27 @@ def test_both_complete_states_of_the_cluster_stack_are_healthy(status):
     client = stubbed([("describe_stacks", stack(CLUSTER, status, {"parallelcluster:version": "3.16.1"}),
                        {"StackName": CLUSTER})])
     assert cluster_stack_check(client, CLUSTER).passed
+
+
+def test_the_versioned_provider_template_must_be_published_in_the_region(aws):
+    from trainctl.preflight import provider_template_check
+
+    s3 = aws.client("s3", region_name=REGION)
+    missing = provider_template_check(s3, REGION, "3.16.1")
+    assert not missing.passed and missing.fix.startswith("pick a region ParallelCluster supports")
+    bucket = f"{REGION}-aws-parallelcluster"
+    s3.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": REGION})
+    s3.put_object(Bucket=bucket, Key="parallelcluster/3.16.1/templates/custom_resource/cluster.yaml", Body=b"x")
+    found = provider_template_check(s3, REGION, "3.16.1")
+    assert found.passed and found.detail.endswith("/parallelcluster/3.16.1/templates/custom_resource/cluster.yaml")
+
+
+def test_the_slurm_queues_and_head_node_count_into_the_quotas():
+    from tests.conftest import REPO
+    from config import load_config
+    from trainctl.preflight import slurm_groups
+
+    config = load_config(REPO / "config" / "slurm-example.yaml")
+    p4d = next(g for g in config.accelerated_node_groups if g.name == "p4d")
+    assert slurm_groups(config) == [("p4d.24xlarge", p4d.max_size, "ON_DEMAND"), ("m5.2xlarge", 1, "ON_DEMAND")]
+    assert slurm_groups(parse_config(example_data())) == []

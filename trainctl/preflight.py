@@ -53,7 +53,15 @@ def run_preflight(config: PlatformConfig, session) -> list[Check]:
     checks = [az_check(config, ec2)]
     checks += offering_checks(config, ec2)
     checks += efa_checks(config, ec2)
-    checks += quota_checks(config, session.client("service-quotas", region_name=config.region))
+    checks += quota_checks(config, session.client("service-quotas", region_name=config.region),
+                           extra_groups=slurm_groups(config))
+    if config.slurm is not None:
+        from config.versions import PARALLELCLUSTER_VERSION
+
+        checks.append(provider_template_check(session.client("s3", region_name=config.region), config.region,
+                                              PARALLELCLUSTER_VERSION))
+        checks += slurm_checks(session, region=config.region, stack_name=f"{config.name_prefix}-slurm",
+                               cluster_name=config.slurm_cluster_name, pcluster_version=PARALLELCLUSTER_VERSION)
     checks.append(bootstrap_check(config, session.client("cloudformation", region_name=config.region)))
     checks.append(access_check(config, session.client("sts", region_name=config.region)))
     checks += addon_checks(config, session.client("eks", region_name=config.region))
@@ -204,6 +212,33 @@ def vcpu_quota_checks(groups: list[tuple[str, int, str]], quotas) -> list[Check]
     return checks
 
 
+def slurm_groups(config: PlatformConfig) -> list[tuple[str, int, str]]:
+    """What the slurm stack may run at once: each queue's max_size nodes, and the head node."""
+    if config.slurm is None:
+        return []
+    by_name = {g.name: g for g in config.accelerated_node_groups}
+    queues = [(q.node_group, by_name[q.node_group].instance_type, by_name[q.node_group].max_size)
+              for q in config.slurm.queues]
+    return [*slurm_quota_groups(queues), (config.slurm.head_node_instance_type, 1, "ON_DEMAND")]
+
+
+def provider_template_check(s3, region: str, version: str) -> Check:
+    """ParallelCluster publishes its custom resource's provider template per version in a bucket of each
+    region it supports (User Guide, "AWS CloudFormation custom resource": the provider stack hosted by
+    AWS ParallelCluster); the slurm stack nests that template, so a region or version without it fails the deploy."""
+    from botocore.exceptions import ClientError
+
+    bucket, key = f"{region}-aws-parallelcluster", f"parallelcluster/{version}/templates/custom_resource/cluster.yaml"
+    name = f"ParallelCluster {version} provider in {region}"
+    try:
+        s3.head_object(Bucket=bucket, Key=key)
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        return Check(name, False, f"s3://{bucket}/{key}: {code or exc}",
+                     "pick a region ParallelCluster supports, or pin a version published there (config/versions.py)")
+    return Check(name, True, f"s3://{bucket}/{key}")
+
+
 def slurm_quota_groups(queues: list[tuple[str, str, int]]) -> list[tuple[str, int, str]]:
     """The Slurm queues (name, instance type, max nodes) as quota groups: ParallelCluster launches
     its compute nodes On-Demand unless a queue says CapacityType: SPOT, and ours do not."""
@@ -235,11 +270,14 @@ def slurm_checks(session, *, region: str, stack_name: str, cluster_name: str,
     """
     checks = slurm_stack_checks(session.client("cloudformation", region_name=region), stack_name=stack_name,
                                 cluster_name=cluster_name, pcluster_version=pcluster_version)
-    if checks[0].passed:
+    if checks[0].passed and not checks[0].detail.startswith(NOT_DEPLOYED):
         checks.append(head_node_ssm_check(session.client("ec2", region_name=region),
                                           session.client("ssm", region_name=region), cluster_name=cluster_name,
                                           region=region))
     return checks
+
+
+NOT_DEPLOYED = "not deployed yet"
 
 
 def _stack(cloudformation, name: str) -> dict | None:
@@ -263,7 +301,9 @@ def slurm_stack_checks(cloudformation, *, stack_name: str, cluster_name: str,
                        pcluster_version: str | None = None) -> list[Check]:
     stack = _stack(cloudformation, stack_name)
     if stack is None:
-        return [Check(f"Slurm stack {stack_name}", False, "not deployed", f"npx cdk deploy {stack_name}")]
+        # Before the first deploy, as preflight runs: nothing to check yet (a failure would block the deploy).
+        return [Check(f"Slurm stack {stack_name}", True, f"{NOT_DEPLOYED}: `npx cdk deploy {stack_name}` creates "
+                      "it; run preflight again afterwards to check the cluster and its head node")]
     status = stack["StackStatus"]
     ok = status.endswith("_COMPLETE") and status not in ("ROLLBACK_COMPLETE", "DELETE_COMPLETE")
     checks = [Check(f"Slurm stack {stack_name}", ok, status, "" if ok else (
