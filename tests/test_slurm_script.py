@@ -98,6 +98,23 @@ def test_the_script_is_valid_bash(config, tmp_path):
         assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
 
 
+def test_enroot_logs_in_to_ecr_with_a_fresh_token_at_each_import(config, tmp_path):
+    script = render_script(config, spec(config), partition="p4d", kill_wait_s=SLURM_KILL_WAIT_S)
+    entry = ("machine 123456789012.dkr.ecr.us-west-2.amazonaws.com login AWS password "
+             "$(aws ecr get-login-password --region us-west-2)")
+    assert f"echo '{entry}' >> \"$enroot_config/.credentials\"" in script
+    # Run those lines twice in a HOME of their own: one entry, the command kept for Enroot to run.
+    lines = [line for line in script.splitlines() if "enroot_config" in line]
+    for _ in range(2):
+        subprocess.run(["bash", "-euc", "\n".join(lines)], env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                       check=True)
+    credentials = tmp_path / ".config" / "enroot" / ".credentials"
+    assert credentials.read_text() == entry + "\n" and credentials.stat().st_mode & 0o777 == 0o600
+    host = render_script(config, spec(config), partition="p4d", kill_wait_s=SLURM_KILL_WAIT_S,
+                         runtime=SlurmRuntime(python="/usr/bin/python3"))
+    assert "enroot" not in host
+
+
 def test_pyxis_image_separates_the_registry():
     assert pyxis_image("123456789012.dkr.ecr.us-west-2.amazonaws.com/team/trainer:1") == (
         "123456789012.dkr.ecr.us-west-2.amazonaws.com#team/trainer:1")

@@ -15,6 +15,7 @@ incarnation, to ``logs/batch.log``.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass
 
@@ -70,6 +71,29 @@ class Expand(str):
 
 def _words(parts: list[str]) -> str:
     return " ".join(f'"{part}"' if isinstance(part, Expand) else shlex.quote(part) for part in parts)
+
+
+ECR_REGISTRY = re.compile(r"^(\d{12})\.dkr\.ecr\.([a-z0-9-]+)\.amazonaws\.com(\.cn)?$")
+
+
+def enroot_credentials(images: list[str]) -> list[str]:
+    """Lines that give Enroot a login to each ECR registry of ``images``, once per user: an entry of its
+    netrc-style credentials file whose password is a command Enroot runs at each import, so the 12-hour
+    ECR token is never stale (enroot doc/cmd/import.md, "Amazon Elastic Container Registry"; the AWS CLI
+    and the node role's ecr:GetAuthorizationToken, granted by the slurm stack, are on every node). The
+    folder is Enroot's ENROOT_CONFIG_PATH, by default under $HOME, which ParallelCluster shares with
+    every node."""
+    registries = sorted({image.split("/", 1)[0] for image in images if ECR_REGISTRY.match(image.split("/", 1)[0])})
+    if not registries:
+        return []
+    lines = ['enroot_config="${ENROOT_CONFIG_PATH:-${XDG_CONFIG_HOME:-$HOME/.config}/enroot}"',
+             'mkdir -p "$enroot_config" && touch "$enroot_config/.credentials" && chmod 600 "$enroot_config/.credentials"']
+    for registry in registries:
+        region = ECR_REGISTRY.match(registry).group(2)
+        entry = f"machine {registry} login AWS password $(aws ecr get-login-password --region {region})"
+        lines.append(f'grep -qs {shlex.quote(f"^machine {registry} ")} "$enroot_config/.credentials" || '
+                     f'echo {shlex.quote(entry)} >> "$enroot_config/.credentials"')
+    return lines
 
 
 def job_environment(config: PlatformConfig, spec: JobSpec) -> dict[str, str]:
@@ -135,6 +159,7 @@ def render_script(config: PlatformConfig, spec: JobSpec, *, partition: str, kill
                        # (config error, divergence) end the job, and a requeue starts every node afresh.
                        "--kill-on-bad-exit=1", f"--output={logs}/{NODE_LOG}", "--open-mode=append"]
     if runtime.container:
+        lines += enroot_credentials([spec.image, *([config.jobs.launcher_image] if own_program else [])])
         mounts = [f"{FSX_MOUNT}:{FSX_MOUNT}"]
         if own_program:
             # The job's own image may lack the launcher: a copy from the platform's image, per
