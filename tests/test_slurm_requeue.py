@@ -24,7 +24,7 @@ from tests.conftest import REPO
 from tests.slurm_cluster import SlurmCluster, missing
 from tests.trainctl_fixtures import one_error
 from trainctl.slurm import log_folder
-from training.devtools.drills import GLOBAL_BATCH, INTERVAL, every_sample_once
+from training.devtools.drills import GLOBAL_BATCH, INTERVAL, every_sample_once, final_checkpoint
 from training.devtools.local_cluster import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
@@ -155,14 +155,22 @@ def test_a_lost_node_requeues_the_job_which_resumes_exactly_and_completes(requeu
     assert {e["world_size"] for e in second_run if e["event"] == "step"} == {1}
     assert second_run[-1]["event"] == "finished" and second_run[-1]["step"] == SAMPLES // GLOBAL_BATCH
     assert every_sample_once(slurm.fsx / requeued["name"], SAMPLES)
-    reached = max(e["step"] for e in first_run if e["event"] == "step")
     first_step = next(e for e in second_run if e["event"] == "step")
-    figures = {"steps_lost": reached - resume["step"],
+    figures = {"steps_lost": steps_trained_twice(slurm.fsx / requeued["name"]),
                "requeue_to_first_step_s": round(first_step["time"] - requeued["requeued_at"], 1),
                "requeue_to_script_start_s": round(after["incarnations"][1]["time"] - requeued["requeued_at"], 1),
                "kill_to_requeue_s": round(requeued["requeued_at"] - requeued["killed_at"], 1),
                "hold_s": slurm.cred_expire_s + 1}
     print(f"\nslurm requeue drill: {json.dumps(figures)}")
+
+
+def steps_trained_twice(work: Path) -> int:
+    """Steps the first incarnation trained past the checkpoint the job resumed from (from every rank's
+    sample log, which records each step trained; the checkpoint's history says which steps counted)."""
+    (first_attempt, _first, counted_end), *_ = final_checkpoint(work)["progress"]["history"]
+    trained = {json.loads(line)["step"] for log in (work / "samples").glob("*.jsonl")
+               for line in log.read_text().splitlines() if json.loads(line)["attempt"] == first_attempt}
+    return len({step for step in trained if step >= counted_end})
 
 
 def test_logs_by_rank_and_by_node(requeued, slurm):
