@@ -153,7 +153,8 @@ SLOW_MODULES = {
     "test_etcd_quorum", "test_evaluation_runs", "test_fixed_global_batch", "test_job_lifecycle",
     "test_lagged_agreement", "test_local_runs", "test_models", "test_operator_safety", "test_own_program",
     "test_prepare_imagenet", "test_recipe_training", "test_rendezvous_v3", "test_resume_safety",
-    "test_slow_checkpoint_io", "test_stage_data", "test_stop_budget", "test_stop_signals", "test_synth_offline",
+    "test_slow_checkpoint_io", "test_slurm_requeue", "test_stage_data", "test_stop_budget", "test_stop_signals",
+    "test_synth_offline",
     "test_throughput_benchmark", "test_trainctl_cli", "test_trainer_metrics", "test_trainer_output",
     "test_torchtitan_cpu", "test_worker_lifecycle", "test_xla_training",
 }

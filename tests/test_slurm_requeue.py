@@ -27,7 +27,7 @@ from trainctl.slurm import log_folder
 from training.devtools.drills import GLOBAL_BATCH, INTERVAL, every_sample_once, final_checkpoint
 from training.devtools.local_cluster import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
+pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(missing() is not None, reason=f"no real Slurm here: {missing()}")]
 
 PARTITION = "g5"
