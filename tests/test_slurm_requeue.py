@@ -242,3 +242,38 @@ def test_a_jobs_own_program_runs_under_the_same_script(slurm, requeued):
     # Its checkpoints went where the platform told it: $PLATFORM_CHECKPOINT_DIR, the spec's checkpoint_path.
     assert sorted(p.name for p in (slurm.fsx / name / "checkpoints").iterdir() if not p.name.startswith("."))[-1] == (
         "step-40")
+
+
+def test_the_same_status_through_ssm_run_command(slurm, requeued, tmp_path, monkeypatch):
+    """trainctl's default path: SSM Run Command on the head node (a loopback stand-in that really runs what
+    it is sent, tests/local_ssm.py), here reaching the real Slurm; the head node found by its tags (moto)."""
+    from moto import mock_aws
+
+    from tests.local_ssm import LocalSsm
+    from tests.test_slurm_transport import REGION, launch
+    from trainctl.slurm import SlurmJobs
+    from trainctl.slurm_transport import SsmShell
+    from config import PlatformConfig
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.setenv(key, "testing")
+    config = PlatformConfig.model_validate(platform_config())
+    # No sudo or second user here: a `sudo` that checks SsmShell's options and runs the rest as on the head node.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    head_node = " ".join(f"'{word}'" for word in slurm.head_node([]))
+    (bin_dir / "sudo").write_text('#!/bin/sh\n[ "$1" = -H ] && [ "$2" = -u ] && [ "$3" = ec2-user ] && [ "$4" = -- ] '
+                                  '|| exit 90\nshift 4\nexec ' + head_node + ' "$@"\n')
+    (bin_dir / "sudo").chmod(0o755)
+    with mock_aws():
+        import boto3
+
+        session = boto3.Session(region_name=REGION)
+        instance = launch(session, config.slurm_cluster_name)
+        with LocalSsm({instance: "Online"}, env={"PATH": f"{bin_dir}:/usr/bin:/bin"}) as ssm:
+            monkeypatch.setenv("AWS_ENDPOINT_URL_SSM", ssm.url)
+            shell = SsmShell(session, region=REGION, cluster_name=config.slurm_cluster_name, poll_s=0.05)
+            report = SlurmJobs(shell, config).status(requeued["name"])
+    assert report.as_dict() == requeued["after"]  # what `trainctl status -o json` said on the head node
+    assert report.where == f"head node {instance} of cluster {config.slurm_cluster_name} (SSM)"
+    assert all(sent["Parameters"]["commands"] for sent in ssm.sent)
