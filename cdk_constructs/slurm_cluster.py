@@ -94,6 +94,8 @@ class SlurmClusterProps:
     kill_wait_s: int = 30  # Slurm's KillWait, SIGTERM to SIGKILL when a job ends (its stop budget); 30 is ParallelCluster's
     log_retention_days: int = 30
     retain_on_delete: bool = False
+    # Folders on the shared file system in which every cluster user may make a job's folder (mode 1777).
+    shared_folders: Sequence[str] = ()
 
 
 class SlurmCluster(Construct):
@@ -156,7 +158,8 @@ def cluster_configuration(props: SlurmClusterProps, refs: ClusterReferences) -> 
     root_volume = {"RootVolume": {"Encrypted": True}}
 
     def custom_action(role: str) -> dict:
-        return {"OnNodeConfigured": {"Sequence": [{"Script": refs.pyxis_script_url, "Args": [role]}]}}
+        args = [role, *props.shared_folders] if role == "head" else [role]
+        return {"OnNodeConfigured": {"Sequence": [{"Script": refs.pyxis_script_url, "Args": args}]}}
 
     return {
         "Region": props.region,

@@ -3,6 +3,8 @@ accelerated node group, on the network, file system, image repository and catalo
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
+
 from aws_cdk import CfnOutput, Stack
 from constructs import Construct
 
@@ -12,7 +14,7 @@ from config.model import CapacityType
 from config.versions import PARALLELCLUSTER_VERSION
 from stacks.network_stack import NetworkStack
 from stacks.storage_stack import StorageStack
-from training.contract import FSX_MOUNT, SLURM_KILL_WAIT_S
+from training.contract import FSX_MOUNT, SLURM_KILL_WAIT_S, cache_dir, checkpoint_dir, staging_dir
 
 
 class SlurmStack(Stack):
@@ -42,7 +44,9 @@ class SlurmStack(Stack):
                                            resource_name=config.ecr.repository_name),
             scaledown_idle_minutes=slurm.scaledown_idle_minutes, kill_wait_s=SLURM_KILL_WAIT_S,
             log_retention_days=slurm.log_retention_days,
-            retain_on_delete=slurm.retain_on_delete, mount_dir=FSX_MOUNT))
+            retain_on_delete=slurm.retain_on_delete, mount_dir=FSX_MOUNT,
+            # Where jobs keep checkpoints, staged writes and caches: each job makes its own folder inside.
+            shared_folders=[str(PurePosixPath(folder("job")).parent) for folder in (checkpoint_dir, staging_dir, cache_dir)]))
         CfnOutput(self, "ClusterName", value=config.slurm_cluster_name,
                   description="The ParallelCluster cluster (pcluster describe-cluster --cluster-name)")
         CfnOutput(self, "HeadNodeInstanceId", value=self.cluster.head_node_instance_id,

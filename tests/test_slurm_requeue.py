@@ -277,3 +277,24 @@ def test_the_same_status_through_ssm_run_command(slurm, requeued, tmp_path, monk
     assert report.as_dict() == requeued["after"]  # what `trainctl status -o json` said on the head node
     assert report.where == f"head node {instance} of cluster {config.slurm_cluster_name} (SSM)"
     assert all(sent["Parameters"]["commands"] for sent in ssm.sent)
+
+
+def test_a_launcher_asking_for_a_fresh_incarnation_requeues_the_job(slurm, requeued):
+    """One node's workers fail for good after progress: its launcher exits 79 while srun stops the other
+    node's (143) and returns the highest status; the marker file still makes the script requeue the job."""
+    name = "fresh-incarnation"
+    program = slurm.fsx / "programs" / "fail_once.py"
+    program.parent.mkdir(exist_ok=True)
+    shutil.copy(REPO / "tests" / "programs" / "fail_once.py", program)
+    spec = {key: value for key, value in job_spec(name).items() if key != "trainer_args"}
+    spec.update(min_nodes=2, max_restarts=0, program={"script": "/fsx/programs/fail_once.py"})
+    path = slurm.root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    done = trainctl(slurm, "submit", str(path), "--python", sys.executable, "--wait")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = status(slurm, name)
+    assert report["state"] == "COMPLETED" and report["restarts"] == 1
+    logs = slurm.fsx / log_folder(name).removeprefix("/fsx/")
+    assert "failing for good" in (logs / "node-0.log").read_text()
+    assert "resumed from step-1, done" in (logs / "node-0.log").read_text()
+    assert sorted(p.name for p in logs.glob("restart-*")) == [f"restart-{report['job_id']}-0"]

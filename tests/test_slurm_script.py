@@ -6,6 +6,7 @@ node runs, and the one-line errors, for the packaged trainer and a job's own pro
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,9 +66,34 @@ def test_each_node_runs_the_launcher_with_the_eks_pods_environment(config):
     assert "--container-image=123456789012.dkr.ecr.us-west-2.amazonaws.com#trainer:gpu-0.1.0" in srun
     assert '"--container-mounts=/fsx:/fsx"' in srun and "--container-workdir=/app" in srun
     assert "--kill-on-bad-exit=1" in srun and "--output=/fsx/slurm/bert/logs/node-%n.log" in srun
+    # The job's environment wins over an image's own values of the same names (Pyxis --container-env).
+    named = re.search(r"--container-env=(\S+)", srun).group(1).split(",")
+    exported = re.findall(r"^export (\w+)=", script, flags=re.M)
+    assert sorted(named) == sorted(exported) and "NCCL_SOCKET_IFNAME" in named
     # EFA and NCCL from the same function the pods' environment comes from.
     for key, value in nccl_environment(True, rdma=True).items():
         assert f"export {key}={value}" in script or f"export {key}='{value}'" in script
+
+
+def test_a_fresh_incarnation_asked_for_by_any_node_requeues_the_job(config):
+    script = render_script(config, spec(config), partition="p4d", kill_wait_s=SLURM_KILL_WAIT_S)
+    assert 'export PLATFORM_RESTART_MARKER="/fsx/slurm/bert/logs/restart-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}"' in (
+        script)
+    assert script.endswith('code=$?\nif [ "$code" -eq 79 ] || [ -e "$PLATFORM_RESTART_MARKER" ]; then scontrol requeue '
+                           '"$SLURM_JOB_ID"; fi\nexit "$code"\n')
+
+
+def test_the_jobs_folders_are_made_before_any_node_starts(config, tmp_path):
+    script = render_script(config, spec(config), partition="p4d", kill_wait_s=SLURM_KILL_WAIT_S)
+    (line,) = [line for line in script.splitlines() if line.startswith("mkdir -p /fsx/")]
+    assert line.startswith("mkdir -p /fsx/checkpoints/bert /fsx/cache/bert /fsx/staging/bert || ")
+    # A folder the user may not make (a file where its parent should be): one line, exit 78 (config), before srun.
+    (tmp_path / "fsx").mkdir()
+    (tmp_path / "fsx" / "checkpoints").write_text("")
+    done = subprocess.run(["bash", "-c", line.replace("/fsx/", f"{tmp_path}/fsx/")], capture_output=True, text=True)
+    assert done.returncode == EXIT_CONFIG
+    assert done.stderr.splitlines()[-1] == ("config error: cannot create the job's folders on /fsx as the submitting "
+                                            "user; allowed: folders this user may write (docs/slurm.md, Running jobs)")
 
 
 def test_a_python_on_the_nodes_replaces_the_container(config):

@@ -134,9 +134,12 @@ def test_pyxis_enabled_by_a_custom_action_on_every_node(synth):
     _, _, _, cluster = _slurm(synth)
     config = cluster["Properties"]["ClusterConfiguration"]
     (queue,) = config["Scheduling"]["SlurmQueues"]
-    for node, role in ((config["HeadNode"], "head"), (queue, "compute")):
+    # The head node also makes the jobs' shared folders writable by every cluster user (Pyxis runs a
+    # job's container as its submitter), the contract's folders' parents.
+    shared = ["/fsx/checkpoints", "/fsx/staging", "/fsx/cache"]
+    for node, args in ((config["HeadNode"], ["head", *shared]), (queue, ["compute"])):
         (action,) = node["CustomActions"]["OnNodeConfigured"]["Sequence"]
-        assert action["Args"] == [role] and action["Script"]["Fn::Sub"].startswith("s3://cdk-")
+        assert action["Args"] == args and action["Script"]["Fn::Sub"].startswith("s3://cdk-")
     script = (REPO / "cdk_constructs" / "slurm_node" / "enable_pyxis.sh").read_text()
     assert "/opt/parallelcluster/examples/" in script or "examples=/opt/parallelcluster/examples" in script
 

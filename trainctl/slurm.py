@@ -25,8 +25,8 @@ from k8s_charts.job_spec import JobSpec
 from trainctl.errors import UserError
 from trainctl.jobs import metrics_events, newest_claim, rank_claim
 from training.contract import (
-    EXIT_RESTART_JOB, FSX_MOUNT, SLURM_KILL_WAIT_S, LAUNCH_ENVIRONMENT, LAUNCHER_ENTRY, LAUNCHER_MOUNT, PLATFORM_APP_DIR,
-    launcher_copy_command, slurm_launch_command,
+    EXIT_CONFIG, EXIT_RESTART_JOB, FSX_MOUNT, LAUNCH_ENVIRONMENT, LAUNCHER_ENTRY, LAUNCHER_MOUNT, PLATFORM_APP_DIR,
+    RESTART_MARKER_ENV, SLURM_KILL_WAIT_S, cache_dir, launcher_copy_command, slurm_launch_command,
 )
 
 # What `trainctl list` shows: jobs submitted by trainctl for this platform carry this comment.
@@ -149,6 +149,16 @@ def render_script(config: PlatformConfig, spec: JobSpec, *, partition: str, kill
     ]
     env = job_environment(config, spec)
     lines += [f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())]
+    # The launcher says here that it asked for a fresh incarnation: srun's own status cannot (RESTART_MARKER_ENV).
+    lines.append(f'export {RESTART_MARKER_ENV}="{logs}/restart-${{SLURM_JOB_ID}}-${{SLURM_RESTART_COUNT:-0}}"')
+    # The job's folders, made by the submitting user, whom Pyxis runs the container as: a folder the
+    # user may not write fails here in one line, not at the first checkpoint. Their parents are the
+    # cluster's shared folders (mode 1777, made by the head node's custom action).
+    folders = [spec.checkpoint_dir(), cache_dir(spec.name), *([] if own_program else [spec.staging_dir()])]
+    refused = (f"config error: cannot create the job's folders on {FSX_MOUNT} as the submitting user; allowed: "
+               "folders this user may write (docs/slurm.md, Running jobs)")
+    lines.append(f"mkdir -p {' '.join(map(shlex.quote, folders))} || "
+                 f"{{ echo {shlex.quote(refused)} >&2; exit {EXIT_CONFIG}; }}")
     # One JSON line per incarnation in batch.log: trainctl status counts the requeues from them.
     lines.append(f'echo "{{\\"event\\": \\"{INCARNATION_EVENT}\\", \\"job\\": \\"{spec.name}\\", '
                  '\\"job_id\\": $SLURM_JOB_ID, \\"restart\\": ${SLURM_RESTART_COUNT:-0}, '
@@ -170,17 +180,22 @@ def render_script(config: PlatformConfig, spec: JobSpec, *, partition: str, kill
             lines.append(_words(["srun", "--nodes=1", "--ntasks=1", f"--container-image={platform_image}",
                                  Expand(f"--container-mounts={copy}:{LAUNCHER_MOUNT}"),
                                  f"--container-workdir={PLATFORM_APP_DIR}", "--no-container-mount-home",
-                                 *launcher_copy_command(LAUNCHER_MOUNT)]))
+                                 *launcher_copy_command(LAUNCHER_MOUNT)]) + f" || exit {EXIT_CONFIG}")
             mounts.append(f"{copy}:{LAUNCHER_MOUNT}:ro")
+        # Pyxis gives an image's own value of a variable precedence over the job's, unless the variable
+        # is named in --container-env (NVIDIA/pyxis README, --container-env; pyxis_slurmstepd.c): named
+        # here, the job's environment wins, as the pod's does on EKS.
+        names = sorted([*env, RESTART_MARKER_ENV])
         srun += [f"--container-image={pyxis_image(spec.image)}", Expand(f"--container-mounts={','.join(mounts)}"),
-                 "--no-container-mount-home"]
+                 "--no-container-mount-home", f"--container-env={','.join(names)}"]
         if not own_program:
             srun.append(f"--container-workdir={PLATFORM_APP_DIR}")
     lines.append(_words([*srun, *command]))
     lines += [
         "code=$?",
-        # The launcher asks for a fresh incarnation (workers failed for good after progress): a requeue.
-        f"if [ \"$code\" -eq {EXIT_RESTART_JOB} ]; then scontrol requeue \"$SLURM_JOB_ID\"; fi",
+        # The launcher asked for a fresh incarnation (workers failed for good after progress): a requeue.
+        f"if [ \"$code\" -eq {EXIT_RESTART_JOB} ] || [ -e \"${RESTART_MARKER_ENV}\" ]; then "
+        "scontrol requeue \"$SLURM_JOB_ID\"; fi",
         "exit \"$code\"",
     ]
     return "\n".join(lines) + "\n"
@@ -291,8 +306,9 @@ class SlurmJobs:
 
     def status(self, name: str, tail: int = 400) -> SlurmStatus:
         row = self.newest(name)
+        # Slurm may forget the job between the two calls (MinJobAge): then no details, not an error.
         details = dict(field.split("=", 1) for field in self._run(
-            "scontrol", "show", "job", row["job_id"], "--oneline").split() if "=" in field)
+            "scontrol", "show", "job", row["job_id"], "--oneline", ok=(0, 1)).split() if "=" in field)
         logs = log_folder(name)
         batch = metrics_events(self._run("tail", "-n", str(tail), f"{logs}/{BATCH_LOG}", ok=(0, 1)))
         node0 = metrics_events(self._run("tail", "-n", str(tail), f"{logs}/node-0.log", ok=(0, 1)))

@@ -283,6 +283,10 @@ def batch_rendezvous_arguments(environ: dict[str, str]) -> list[str]:
 # first) is a run of its own.
 SLURM_NODE_FLAG = "--slurm-job"
 SLURM_MASTER_PORT = 29500
+# A file the launcher creates when it asks for a fresh incarnation (EXIT_RESTART_JOB). Under srun one
+# node's exit status is lost: --kill-on-bad-exit stops the other nodes' tasks, which then exit 143,
+# and srun returns the highest status of all tasks (srun(1), "RETURN VALUE"). The script requeues on it.
+RESTART_MARKER_ENV = "PLATFORM_RESTART_MARKER"
 # The slurm stack's KillWait (ParallelCluster's own is 30 s, slurm.conf.erb of aws-parallelcluster-cookbook):
 # on scancel, a time limit or a requeue Slurm sends SIGTERM, then SIGKILL this much later (slurm.conf(5),
 # KillWait). As long as a training pod's grace period on EKS, so a stop checkpoint fits on either.

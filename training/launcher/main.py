@@ -32,9 +32,9 @@ import time
 
 from training.contract import (
     AGENT_PID_ENV, BATCH_NODE_FLAG, CHECKPOINT_DIR_ENV, CONTROL_DIR_ENV, EXIT_CONFIG, EXIT_CRASH_LOOP,
-    EXIT_RESTART_JOB, FINAL_EXITS, LAUNCH_ENVIRONMENT, PROGRESS_FILE_ENV, SLURM_NODE_FLAG, STOP_BUDGET_ENV,
-    TRAINER_MODULE, BatchEnvironmentError, SlurmEnvironmentError, batch_rendezvous_arguments, checkpoint_step,
-    program_checkpoint_step, slurm_rendezvous_arguments,
+    EXIT_RESTART_JOB, FINAL_EXITS, LAUNCH_ENVIRONMENT, PROGRESS_FILE_ENV, RESTART_MARKER_ENV, SLURM_NODE_FLAG,
+    STOP_BUDGET_ENV, TRAINER_MODULE, BatchEnvironmentError, SlurmEnvironmentError, batch_rendezvous_arguments,
+    checkpoint_step, program_checkpoint_step, slurm_rendezvous_arguments,
 )
 
 log = logging.getLogger("training.launcher")
@@ -142,6 +142,19 @@ def _warm_up_trainer() -> None:
     log.info("the trainer is imported (%.1f s); this node is ready to join", time.monotonic() - started)
 
 
+def _fresh_incarnation() -> int:
+    """EXIT_RESTART_JOB, said also in the file $PLATFORM_RESTART_MARKER names when the scheduler loses a
+    node's own status (Slurm: see RESTART_MARKER_ENV)."""
+    marker = os.environ.get(RESTART_MARKER_ENV)
+    if marker:
+        try:
+            with open(marker, "a"):
+                pass
+        except OSError as exc:
+            log.error("could not write %s (%s): the job may end instead of starting afresh", marker, exc)
+    return EXIT_RESTART_JOB
+
+
 def main(argv: list[str] | None = None) -> int:
     """torchrun with the platform's rendezvous, forked workers and exit statuses (see the module docstring)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -214,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_CRASH_LOOP
         log.error("workers failed and --max-restarts is spent after progress (checkpoint %s, %s at the start); "
                   "asking for a fresh incarnation of the job", newest, checkpoint_at_start)
-        return EXIT_RESTART_JOB
+        return _fresh_incarnation()
     except RendezvousClosedError:
         # Only a job's success closes its round: this node came after the end.
         log.info("the job finished before this node could join; nothing to do")
@@ -222,6 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # any other end of the agent: this incarnation is over
         log.error("the agent ended with %s: %s; asking for a fresh incarnation of the job",
                   type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", exc_info=exc)
-        return EXIT_RESTART_JOB
+        return _fresh_incarnation()
     return 0
 
