@@ -347,8 +347,9 @@ class StorageClassChart(Chart):
 
 def platform_check_name(config: PlatformConfig) -> str:
     """``platform-check-<hash of the config>``: a config that changes the platform gets a new check."""
-    # Not the pipeline section: a stage deploys the same platform as a direct deploy.
-    digest = hashlib.sha256(config.model_dump_json(exclude={"pipeline"}).encode()).hexdigest()[:10]
+    # Not the pipeline section: a stage deploys the same platform as a direct deploy. Nor unset optional
+    # sections: a release that adds one (batch, slurm) leaves the name of an unchanged config alone.
+    digest = hashlib.sha256(config.model_dump_json(exclude={"pipeline"}, exclude_none=True).encode()).hexdigest()[:10]
     return f"platform-check-{digest}"
 
 

@@ -314,7 +314,8 @@ def test_stacks_depend_one_way_and_deletion_is_never_blocked_by_exports(example)
 
 
 def test_the_readmes_teardown_destroys_each_stack_before_the_stacks_it_reads_from(synth):
-    example = synth(VARIANTS["batch"])  # every stack there is, the optional batch stack included
+    # Every stack there is: the optional batch and slurm stacks included.
+    example = synth({**VARIANTS["batch"], "slurm": VARIANTS["slurm"]["slurm"]})
     stacks = {s.stack_name: s for s in example.assembly.stacks}
     order = [s.stack_name for s in example.platform.teardown]
     for i, name in enumerate(order):
