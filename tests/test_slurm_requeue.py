@@ -280,8 +280,8 @@ def test_the_same_status_through_ssm_run_command(slurm, requeued, tmp_path, monk
 
 
 def test_a_launcher_asking_for_a_fresh_incarnation_requeues_the_job(slurm, requeued):
-    """One node's workers fail for good after progress: its launcher exits 79 while srun stops the other
-    node's (143) and returns the highest status; the marker file still makes the script requeue the job."""
+    """Node 0's workers fail for good after progress: its launcher exits 79 while srun stops node 1's
+    (143) and returns the highest status, 143; the marker file still makes the script requeue the job."""
     name = "fresh-incarnation"
     program = slurm.fsx / "programs" / "fail_once.py"
     program.parent.mkdir(exist_ok=True)
@@ -295,6 +295,7 @@ def test_a_launcher_asking_for_a_fresh_incarnation_requeues_the_job(slurm, reque
     report = status(slurm, name)
     assert report["state"] == "COMPLETED" and report["restarts"] == 1
     logs = slurm.fsx / log_folder(name).removeprefix("/fsx/")
-    assert "failing for good" in (logs / "node-0.log").read_text()
-    assert "resumed from step-1, done" in (logs / "node-0.log").read_text()
+    node0 = (logs / "node-0.log").read_text()
+    assert "rank 0: failing for good" in node0 and "a fresh incarnation finds ['step-1'], done" in node0
+    assert "srun: error: node2: task 1: Exited with exit code 143" in (logs / "batch.log").read_text()
     assert sorted(p.name for p in logs.glob("restart-*")) == [f"restart-{report['job_id']}-0"]

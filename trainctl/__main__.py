@@ -397,7 +397,10 @@ def slurm(args, config) -> int:
         report = jobs.status(args.name)
         print(report.format() if args.output == "text" else _dump(report.as_dict(), args.output))
     elif args.command == "logs":
-        print(jobs.logs(args.name, rank=args.rank, pod=args.pod), end="")
+        text = jobs.logs(args.name, rank=args.rank, pod=args.pod)
+        if jobs.note:
+            _say(jobs.note)
+        print(text, end="")
     elif args.command == "cancel":
         ids = jobs.cancel(args.name)
         print(f"cancelled {args.name} (Slurm job {', '.join(ids)}): its nodes checkpoint within KillWait; "

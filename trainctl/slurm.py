@@ -15,6 +15,7 @@ incarnation, to ``logs/batch.log``.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from dataclasses import dataclass
@@ -24,11 +25,16 @@ from k8s_charts.job_charts import cache_environment, nccl_environment, spot_envi
 from k8s_charts.job_spec import JobSpec
 from trainctl.errors import UserError
 from trainctl.jobs import metrics_events, newest_claim, rank_claim
+from trainctl.slurm_transport import STDOUT_LIMIT, OutputTruncated
 from training.contract import (
-    EXIT_CONFIG, EXIT_RESTART_JOB, FSX_MOUNT, LAUNCH_ENVIRONMENT, LAUNCHER_ENTRY, LAUNCHER_MOUNT, PLATFORM_APP_DIR,
+    EXIT_CONFIG, EXIT_RESTART_JOB, FSX_MOUNT, LAUNCH_ENVIRONMENT, LAUNCHER_ENTRY, LAUNCHER_MOUNT, NODE_RANKS_EVENT,
+    PLATFORM_APP_DIR,
     RESTART_MARKER_ENV, SLURM_KILL_WAIT_S, cache_dir, launcher_copy_command, slurm_launch_command,
 )
 
+# A node's log is read from its last lines only; a job requeued more often shows its newest incarnations.
+SCAN_LINES = 5000
+MAX_INCARNATIONS = 100
 # What `trainctl list` shows: jobs submitted by trainctl for this platform carry this comment.
 COMMENT_PREFIX = "trainctl:"
 NODE_LOG = "node-%n.log"  # srun --output: %n is the node's index in the job (srun(1), "filename pattern")
@@ -259,6 +265,7 @@ class SlurmJobs:
         self.shell = shell
         self.config = config
         self.comment = f"{COMMENT_PREFIX}{config.name_prefix}"
+        self.note: str | None = None  # what the last logs() left out, said on stderr
 
     def _run(self, *argv: str, input: str | None = None, ok: tuple[int, ...] = (0,)) -> str:
         done = self.shell.run(list(argv), input=input)
@@ -304,14 +311,22 @@ class SlurmJobs:
                             "see `trainctl list --backend slurm` (Slurm forgets an ended job after MinJobAge)")
         return rows[-1]
 
-    def status(self, name: str, tail: int = 400) -> SlurmStatus:
+    def _last_events(self, path: str, kinds: tuple[str, ...], count: int = 1) -> list[dict]:
+        """The newest ``count`` JSON lines of each kind in a log file, filtered on the head node: through
+        SSM a command returns at most 24,000 characters (trainctl/slurm_transport.py), a few hundred
+        lines of a node's log. Only the file's last SCAN_LINES lines are read."""
+        script = 'for kind in "${@:2}"; do tail -n %d "$1" | grep -F "{\\"event\\": \\"$kind\\"" | tail -n %d; done' % (
+            SCAN_LINES, count)
+        return metrics_events(self._run("bash", "-c", script, "last-events", path, *kinds, ok=(0, 1)))
+
+    def status(self, name: str) -> SlurmStatus:
         row = self.newest(name)
         # Slurm may forget the job between the two calls (MinJobAge): then no details, not an error.
         details = dict(field.split("=", 1) for field in self._run(
             "scontrol", "show", "job", row["job_id"], "--oneline", ok=(0, 1)).split() if "=" in field)
         logs = log_folder(name)
-        batch = metrics_events(self._run("tail", "-n", str(tail), f"{logs}/{BATCH_LOG}", ok=(0, 1)))
-        node0 = metrics_events(self._run("tail", "-n", str(tail), f"{logs}/node-0.log", ok=(0, 1)))
+        incarnations = self._last_events(f"{logs}/{BATCH_LOG}", (INCARNATION_EVENT,), count=MAX_INCARNATIONS)
+        node0 = self._last_events(f"{logs}/node-0.log", ("step", "checkpoint_saved"))
 
         def last(kind):
             return next((e for e in reversed(node0) if e["event"] == kind), None)
@@ -320,10 +335,12 @@ class SlurmJobs:
             name=name, job_id=row["job_id"], state=row["state"], reason=row["reason"], nodes=int(row["nodes"] or 0),
             nodelist=row["nodelist"], restarts=int(details.get("Restarts", "0")),
             exit_code=details.get("ExitCode", ""), where=self.shell.where,
-            incarnations=[e for e in batch if e["event"] == INCARNATION_EVENT and str(e["job_id"]) == row["job_id"]],
+            incarnations=[e for e in incarnations if str(e["job_id"]) == row["job_id"]],
             last_step=last("step"), checkpoint=last("checkpoint_saved"))
 
     def logs(self, name: str, *, rank: int | None = None, pod: int | None = None, tail: int = 200) -> str:
+        """The last ``tail`` lines of a node's log: by node index (``pod``), or of the node whose agent last
+        said it holds global rank ``rank``. Through SSM, fewer lines when they pass its limit (``self.note``)."""
         self.newest(name)
         folder = log_folder(name)
         files = sorted(f for f in self._run("ls", folder, ok=(0, 2)).split() if f.startswith("node-"))
@@ -335,10 +352,20 @@ class SlurmJobs:
             chosen = wanted
         else:
             rank = 0 if rank is None else rank
-            texts = {f: self._run("tail", "-n", "2000", f"{folder}/{f}") for f in files}
-            chosen = newest_claim({f: rank_claim(text, rank) for f, text in texts.items()}, rank, name, "node",
-                                  f"in `trainctl status {name} --backend slurm`")
-        return self._run("tail", "-n", str(tail), f"{folder}/{chosen}")
+            claims = {f: rank_claim(json.dumps(events[-1]) if (events := self._last_events(
+                f"{folder}/{f}", (NODE_RANKS_EVENT,))) else "", rank) for f in files}
+            chosen = newest_claim(claims, rank, name, "node", f"in `trainctl status {name} --backend slurm`")
+        self.note = None
+        lines = tail
+        while True:
+            try:
+                return self._run("tail", "-n", str(lines), f"{folder}/{chosen}")
+            except OutputTruncated:
+                if lines <= 1:
+                    raise
+                lines //= 2
+                self.note = (f"showing the last {lines} lines of {chosen}: SSM returns at most "
+                             f"{STDOUT_LIMIT:,} characters (`--on-head-node` on the head node shows more)")
 
     def cancel(self, name: str) -> list[str]:
         """scancel the job's active incarnation: SIGTERM, then SIGKILL after KillWait (scancel(1))."""
