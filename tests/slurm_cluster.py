@@ -63,7 +63,7 @@ class SlurmCluster:
     kill_wait_s: int = SLURM_KILL_WAIT_S  # the slurm stack's
     # How long a requeued job is held: Slurm makes it eligible cred_expire + 1 s after the requeue
     # (its old credentials must expire first); 120 s by default (slurm.conf AuthInfo cred_expire).
-    cred_expire_s: int = 10
+    cred_expire_s: int = 5  # the least Slurm accepts (slurm.conf(5), AuthInfo cred_expire)
     slurmd_timeout_s: int = 5
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -106,7 +106,8 @@ class SlurmCluster:
             f"SlurmdTimeout={self.slurmd_timeout_s}",
             f"KillWait={self.kill_wait_s}",
             "MinJobAge=3600",
-            "SchedulerParameters=sched_interval=1",
+            # The scheduler tries pending jobs every second, not every 60 s (main) and 30 s (backfill) as by default.
+            "SchedulerParameters=sched_interval=1,bf_interval=1",
         ]
         for name, port in zip(self.nodes, node_ports, strict=True):
             lines.append(f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "

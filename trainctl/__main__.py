@@ -305,15 +305,11 @@ def batch(args, config) -> int:
         job_id = jobs.submit(spec, args.replace)
         print(f"submitted {spec.name} to AWS Batch ({job_id}), {spec.max_nodes} nodes")
         if args.wait:
-            said = None
-            while True:
+            def batch_state():
                 report = jobs.status(spec.name)
-                if report.state != said:
-                    _say(f"{spec.name}: {report.state}")
-                    said = report.state
-                if report.finished:
-                    return 0 if report.state == "SUCCEEDED" else 1
-                time.sleep(args.interval)
+                return f"{spec.name}: {report.state}", report.finished, report.state == "SUCCEEDED"
+
+            return _wait_for_end(batch_state, args.interval)
         return 0
     if args.command == "cancel" and (args.all or args.name is None):
         raise UserError("cancel --backend batch: got --all or no name", "allowed: `trainctl cancel NAME --backend batch`")
@@ -372,15 +368,12 @@ def slurm(args, config) -> int:
         print(f"submitted {spec.name} to Slurm (job {job_id}), {spec.min_nodes}..{spec.max_nodes} nodes "
               f"of queue {spec.node_group}")
         if args.wait:
-            said = None
-            while True:
+            def slurm_state():
                 report = jobs.status(spec.name)
-                if (report.state, report.restarts) != said:
-                    _say(f"{spec.name}: {report.state}" + (f" (requeued {report.restarts})" if report.restarts else ""))
-                    said = (report.state, report.restarts)
-                if report.finished:
-                    return 0 if report.state == "COMPLETED" else 1
-                time.sleep(args.interval)
+                requeued = f" (requeued {report.restarts})" if report.restarts else ""
+                return f"{spec.name}: {report.state}{requeued}", report.finished, report.state == "COMPLETED"
+
+            return _wait_for_end(slurm_state, args.interval)
         return 0
     if args.command == "cancel" and (args.all or args.name is None):
         raise UserError("cancel --backend slurm: got --all or no name", "allowed: `trainctl cancel NAME --backend slurm`")
@@ -515,15 +508,25 @@ def wait(jobs, name: str, interval_s: float = WATCH_INTERVAL_S) -> int:
     """Until the job ends, saying each change of phase and why it waits; 0 if it completed."""
     from trainctl.jobs import status
 
-    said = None
-    while True:
+    def phase():
         report = status(jobs, name)
         line = f"{name}: {report.phase}" + (f" ({report.waiting[-1]})" if report.waiting else "")
+        return line, report.finished, report.phase == "Completed"
+
+    return _wait_for_end(phase, interval_s)
+
+
+def _wait_for_end(read, interval_s: float) -> int:
+    """Until the job ends, saying each new line ``read()`` gives; 0 if it succeeded. ``read`` returns
+    (line, finished, succeeded): each backend's own states (EKS phases, Batch and Slurm job states)."""
+    said = None
+    while True:
+        line, finished, succeeded = read()
         if line != said:
             _say(line)
             said = line
-        if report.finished:
-            return 0 if report.phase == "Completed" else 1
+        if finished:
+            return 0 if succeeded else 1
         time.sleep(interval_s)
 
 
