@@ -17,13 +17,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from training.contract import FSX_MOUNT, SLURM_KILL_WAIT_S
+from training.devtools.local_cluster import free_ports
 import contextlib
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue", "sinfo", "scontrol", "scancel", "unshare")
@@ -41,17 +41,6 @@ def missing() -> str | None:
 
 def _binary(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @dataclass
@@ -78,7 +67,7 @@ class SlurmCluster:
     # --- configuration ----------------------------------------------------------------------
 
     def _write_config(self) -> None:
-        controller, *node_ports = _free_ports(1 + len(self.nodes))
+        controller, *node_ports = free_ports(1 + len(self.nodes))
         r = self.root
         lines = [
             "ClusterName=loopback",

@@ -9,18 +9,19 @@ import json
 import os
 import sys
 
-import boto3
 import pytest
-from moto import mock_aws
 
 from tests.local_ssm import LocalSsm
+from tests import test_trainctl_aws
+from tests.test_trainctl_aws import REGION
 from trainctl.errors import UserError
 from trainctl.slurm_transport import (
     CLUSTER_NAME_TAG, HEAD_NODE, NODE_TYPE_TAG, Completed, LocalShell, OutputTruncated, SsmShell,
 )
 
-REGION = "us-west-2"
 # Prints what it got (its stdin as a digest); exits with its first argument.
+aws = test_trainctl_aws.aws  # moto's AWS, the fixture test_trainctl_aws uses
+
 ECHO = ("import hashlib, json, os, sys; data = sys.stdin.read(); "
         "print(json.dumps({'argv': sys.argv[2:], 'stdin': hashlib.sha256(data.encode()).hexdigest(), "
         "'user': os.environ.get('SHIM_TARGET_USER'), "
@@ -43,14 +44,6 @@ def test_local_shell_without_the_program_is_one_line():
     with pytest.raises(UserError, match="^sbatch-nowhere not found on this machine; fix: "):
         LocalShell().run(["sbatch-nowhere", "--parsable"])
 
-
-@pytest.fixture
-def aws(monkeypatch):
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": REGION}.items():
-        monkeypatch.setenv(key, value)
-    with mock_aws():
-        yield boto3.Session(region_name=REGION)
 
 
 def launch(session, cluster: str, node_type: str = HEAD_NODE) -> str:
