@@ -28,8 +28,7 @@ from trainctl.jobs import metrics_events, newest_claim, rank_claim
 from trainctl.slurm_transport import STDOUT_LIMIT, OutputTruncated
 from training.contract import (
     EXIT_CONFIG, EXIT_RESTART_JOB, FSX_MOUNT, LAUNCH_ENVIRONMENT, LAUNCHER_ENTRY, LAUNCHER_MOUNT, NODE_RANKS_EVENT,
-    PLATFORM_APP_DIR,
-    RESTART_MARKER_ENV, SLURM_KILL_WAIT_S, cache_dir, launcher_copy_command, slurm_launch_command,
+    PLATFORM_APP_DIR, RESTART_MARKER_ENV, SLURM_KILL_WAIT_S, cache_dir, launcher_copy_command, slurm_launch_command,
 )
 
 # A node's log is read from its last lines only; a job requeued more often shows its newest incarnations.
