@@ -311,22 +311,12 @@ def batch(args, config) -> int:
 
             return _wait_for_end(batch_state, args.interval)
         return 0
-    if args.command == "cancel" and (args.all or args.name is None):
-        raise UserError("cancel --backend batch: got --all or no name", "allowed: `trainctl cancel NAME --backend batch`")
-    name = getattr(args, "name", None)
-    if name is not None:
-        from trainctl.errors import check_name
-
-        check_name("job name", name)  # before any AWS call
+    _one_named_job(args, "batch", "each node's log in CloudWatch Logs, the newest attempt")
     jobs = BatchJobs(_session(args), config)
     if args.command == "status":
         report = jobs.status(args.name)
         print(report.format() if args.output == "text" else _dump(asdict(report), args.output))
     elif args.command == "logs":
-        unsupported = [f"--{o}" for o in ("all", "follow", "previous", "since") if getattr(args, o)]
-        if unsupported:
-            raise UserError(f"logs --backend batch: got {unsupported[0]}", "allowed with batch: --rank or --pod "
-                            "(each node's log in CloudWatch Logs, the newest attempt)")
         node = args.pod if args.pod is not None else jobs.node_for_rank(args.name, args.rank or 0)
         print(jobs.log(args.name, node), end="")
     elif args.command == "cancel":
@@ -341,10 +331,28 @@ def batch(args, config) -> int:
     return 0
 
 
+def _one_named_job(args, backend: str, logs: str) -> None:
+    """What the Batch and Slurm backends refuse before any call: cancel without exactly one name, the logs
+    options they cannot honour (their logs are files, not a pod's stream), a name that is not a job name."""
+    from trainctl.errors import UserError, check_name
+
+    if args.command == "cancel" and (args.all or args.name is None):
+        raise UserError(f"cancel --backend {backend}: got --all or no name",
+                        f"allowed: `trainctl cancel NAME --backend {backend}`")
+    if args.command == "logs":
+        unsupported = [f"--{o}" for o in ("all", "follow", "previous", "since") if getattr(args, o)]
+        if unsupported:
+            raise UserError(f"logs --backend {backend}: got {unsupported[0]}",
+                            f"allowed with {backend}: --rank or --pod ({logs})")
+    name = getattr(args, "name", None)
+    if name is not None:
+        check_name("job name", name)
+
+
 def slurm(args, config) -> int:
     """submit, status, logs, cancel and list on the slurm stack's ParallelCluster (trainctl.slurm)."""
     from k8s_charts.job_spec import load_job_spec
-    from trainctl.errors import UserError, check_name
+    from trainctl.errors import UserError
     from trainctl.slurm import SlurmJobs, SlurmRuntime, render_for
 
     if config.slurm is None:
@@ -375,16 +383,7 @@ def slurm(args, config) -> int:
 
             return _wait_for_end(slurm_state, args.interval)
         return 0
-    if args.command == "cancel" and (args.all or args.name is None):
-        raise UserError("cancel --backend slurm: got --all or no name", "allowed: `trainctl cancel NAME --backend slurm`")
-    name = getattr(args, "name", None)
-    if name is not None:
-        check_name("job name", name)
-    if args.command == "logs":
-        unsupported = [f"--{o}" for o in ("all", "follow", "previous", "since") if getattr(args, o)]
-        if unsupported:
-            raise UserError(f"logs --backend slurm: got {unsupported[0]}", "allowed with slurm: --rank or --pod "
-                            "(each node's log file on /fsx, every incarnation appended)")
+    _one_named_job(args, "slurm", "each node's log file on /fsx, every incarnation appended")
     jobs = SlurmJobs(_slurm_shell(args, config), config)
     if args.command == "status":
         report = jobs.status(args.name)
