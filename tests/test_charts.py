@@ -144,7 +144,7 @@ def test_a_program_job_runs_its_program_under_the_injected_launcher_in_its_own_i
                               "--job.config_file=/fsx/configs/llama3_8b.toml"], launcher=LAUNCHER_ENTRY)
     assert trainer["command"] == expected
     assert trainer["command"][:2] == ["python", "/platform-launcher/training/launcher/__main__.py"]
-    assert "--start-method=fork" not in trainer["command"]
+    assert not any(arg.startswith("--start-method") for arg in trainer["command"])
     env = {e["name"]: e.get("value") for e in trainer["env"]}
     assert env["PLATFORM_CHECKPOINT_DIR"] == "/fsx/checkpoints/own-program" and "PYTHONPATH" not in env
     assert env["HF_HOME"] == "/fsx/cache/huggingface"
@@ -251,7 +251,7 @@ def test_the_training_job_runs_the_platform_launcher_with_its_settings():
     assert command[:3] == ["python", "-m", "training.launcher"] and expected[-3:] == ["-m", "training", "train"]
     assert flag(command, "nnodes") == "2:4" and job["spec"]["minAvailable"] == 2
     assert job["spec"]["tasks"][0]["replicas"] == 4
-    assert flag(command, "rdzv-backend") == "platform-etcd" and flag(command, "start-method") == "fork"
+    assert flag(command, "rdzv-backend") == "platform-etcd" and flag(command, "start-method") == "forkserver"
     assert "keep_alive_interval=0.25" in flag(command, "rdzv-conf") and "outage_tolerance=600" in flag(
         command, "rdzv-conf")
     assert f"scale_up_after_s={spec.scale_up_after_s}" in flag(command, "rdzv-conf")

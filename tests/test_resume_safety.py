@@ -20,20 +20,20 @@ from training.contract import EXIT_CONFIG, EXIT_DIVERGED
 
 pytestmark = pytest.mark.timeout(300)
 
-# Run in every forked worker too (the hook is inherited): which rank opens which checkpoint to read.
-AUDITED_LAUNCH = textwrap.dedent("""
+# Run at the start of every interpreter of the launch (a sitecustomize): the agent, the forkserver its
+# workers come from (training/launcher/workers.py), and so every worker: which rank opens which checkpoint.
+AUDIT_HOOK = textwrap.dedent("""
     import os, sys
-    fd = os.open(sys.argv.pop(1), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    def hook(event, args):
-        if event != "open":
-            return
-        path, mode = args[0], args[1]
-        path = os.fspath(path) if isinstance(path, os.PathLike) else path
-        if isinstance(path, str) and "/checkpoints/step-" in path and isinstance(mode, str) and "r" in mode:
-            os.write(fd, f"{os.environ.get('RANK', '-')} {os.path.basename(path)}\\n".encode())
-    sys.addaudithook(hook)
-    from training.launcher.main import main
-    sys.exit(main(sys.argv[1:]))
+    if os.environ.get("AUDIT_FILE"):
+        fd = os.open(os.environ["AUDIT_FILE"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        def hook(event, args):
+            if event != "open":
+                return
+            path, mode = args[0], args[1]
+            path = os.fspath(path) if isinstance(path, os.PathLike) else path
+            if isinstance(path, str) and "/checkpoints/step-" in path and isinstance(mode, str) and "r" in mode:
+                os.write(fd, f"{os.environ.get('RANK', '-')} {os.path.basename(path)}\\n".encode())
+        sys.addaudithook(hook)
 """)
 
 
@@ -57,12 +57,16 @@ def train(work: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
 def launch(work: Path, nproc: int, *args: str, audit: Path | None = None, max_restarts: int = 3,
            **kwargs) -> subprocess.CompletedProcess:
     """The platform launcher on one node with ``nproc`` workers, as a pod runs it."""
-    prefix = ["-c", AUDITED_LAUNCH, str(audit)] if audit else ["-m", "training.launcher"]
-    command = [sys.executable, *prefix, "--standalone", f"--nproc-per-node={nproc}", "--start-method=fork",
-               f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "-m", "training", "train",
-               *trainer_args(work, *args, **kwargs)]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if audit:
+        hook = audit.parent / "audit-hook"
+        hook.mkdir(exist_ok=True)
+        (hook / "sitecustomize.py").write_text(AUDIT_HOOK)
+        env.update(AUDIT_FILE=str(audit), PYTHONPATH=os.pathsep.join([str(hook), str(REPO)]))
+    command = [sys.executable, "-m", "training.launcher", "--standalone", f"--nproc-per-node={nproc}",
+               "--start-method=forkserver", f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "-m",
+               "training", "train", *trainer_args(work, *args, **kwargs)]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
 
 
 def events(work: Path, kind: str) -> list[dict]:

@@ -58,9 +58,9 @@ AFTER_SUCCESS_S = 60
 POLL_S = 0.5
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXIT_MEANINGS = {
-    EXIT_CONFIG: "the trainer's config, data or checkpoint directory is wrong (its log says which)",
+    EXIT_CONFIG: "the trainer's config, data or checkpoint directory, or the launcher's torch, is wrong (its log says which)",
     EXIT_DIVERGED: "the loss is not finite",
-    EXIT_CRASH_LOOP: "the workers failed max_restarts times with no checkpoint written",
+    EXIT_CRASH_LOOP: "the workers, or the launcher, failed with no checkpoint written since it started",
     EXIT_RESTART_JOB: "the workers failed max_restarts times after progress; submit again to resume",
     EXIT_STOPPED: "stopped by SIGTERM",
 }

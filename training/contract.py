@@ -31,6 +31,8 @@ TRAINER_MODULE = "training"
 LAUNCHER_MODULE = "training.launcher"
 # What a pod runs after torchrun's flags when its job names no program of its own: the packaged trainer.
 TRAINER_PROGRAM = ("-m", TRAINER_MODULE, "train")
+# How the launcher starts the packaged trainer's workers: from a server process that imported the trainer.
+WARM_START_METHOD = "forkserver"
 
 # The launcher in an image that lacks this package (a job's own program, docs/job-spec.md, "Your own torchrun program"):
 # these files, torch-free apart from the launcher's own use of torch.distributed, are copied from the
@@ -93,13 +95,17 @@ ACCELERATOR_TAINT_EFFECT = "NoSchedule"
 # Exit statuses, which the agent and the job controller's policies act on (k8s_charts/job_charts.py).
 EXIT_MEMBERSHIP_CHANGE = 75  # a worker stopped only because a peer was told to: restart into a new round
 EXIT_DIVERGED = 76  # the loss is not finite: retrying from the last checkpoint would diverge again
-# The workers failed for good and no checkpoint was written since this agent started: a fresh
-# incarnation would start from the same checkpoint and fail the same way. The job ends.
+# The workers failed for good, or the agent did (its rendezvous, its network), and no checkpoint was
+# written since this agent started: a fresh incarnation would start from the same checkpoint and fail
+# the same way. The job ends.
 EXIT_CRASH_LOOP = 77
-EXIT_CONFIG = 78  # EX_CONFIG: the config, the data or the checkpoint dir is wrong; nothing retries it
+# EX_CONFIG: the config, the data, the checkpoint dir or the image (a torch the launcher cannot run on, an
+# error of the launcher itself) is wrong; nothing retries it.
+EXIT_CONFIG = 78
 EXIT_RESTART_JOB = 79  # this incarnation cannot go on (workers failed for good after progress): restart afresh
 # The agent's own exit when the pod's SIGTERM stopped it (a drain, a Spot reclaim, a scale-down):
-# the workers checkpointed, and the controller recreates the deleted pod without counting a retry.
+# the workers were asked to checkpoint (the launcher's log says whether they did), and the controller
+# recreates the deleted pod without counting a retry.
 EXIT_STOPPED = 128 + 15
 # A worker that exits with one of these ends the job at once: no layer retries it.
 FINAL_EXITS = (EXIT_DIVERGED, EXIT_CONFIG)
@@ -194,10 +200,11 @@ def torchrun_arguments(
 
 
 def _launcher(python: str, program: Sequence[str], launcher: str | None) -> tuple[list[str], list[str]]:
-    """(the launcher's argv, the start method flag) for ``program``. The packaged trainer's workers are
-    forked from the agent, which has imported it (training/launcher/main.py); a program of the job's
-    own is a fresh interpreter per worker (torchrun starts a binary entrypoint as a subprocess)."""
-    start = ["--start-method=fork"] if tuple(program[:2]) == TRAINER_PROGRAM[:2] else []
+    """(the launcher's argv, the start method flag) for ``program``. The packaged trainer's workers come
+    from a forkserver that has imported it (training/launcher/workers.py: never forked from the agent,
+    which may have started the GPU driver); a program of the job's own is a fresh interpreter per worker
+    (torchrun starts a binary entrypoint as a subprocess)."""
+    start = [f"--start-method={WARM_START_METHOD}"] if tuple(program[:2]) == TRAINER_PROGRAM[:2] else []
     return ([python, launcher] if launcher else [python, "-m", LAUNCHER_MODULE]), start
 
 

@@ -14,7 +14,8 @@ Deterministic by construction: the data of step N is the same global batch whate
 size (each rank takes its rows of it), the loss is the global batch's mean, so a run that lost a
 node and resumed at world size 1 has the losses of an uninterrupted run, within float rounding.
 
-Arguments: ``--steps N --interval N --loss-file PATH [--step-seconds S]``.
+Arguments: ``--steps N --interval N --loss-file PATH [--step-seconds S] [--device cpu|cuda]``
+(cuda: NCCL, one GPU per worker by LOCAL_RANK; benchmarks/gpu_check.py runs it so).
 """
 
 from __future__ import annotations
@@ -72,16 +73,21 @@ def main() -> int:
     parser.add_argument("--interval", type=int, required=True)
     parser.add_argument("--loss-file", required=True)
     parser.add_argument("--step-seconds", type=float, default=0.0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     directory = os.environ.get("PLATFORM_CHECKPOINT_DIR")
     if args.steps < 1 or args.interval < 1 or not directory:
         print("config error: --steps and --interval must be positive and PLATFORM_CHECKPOINT_DIR set", file=sys.stderr)
         return EXIT_CONFIG
     checkpoints = Path(directory)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=30))
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
-    model = build_model()
+    mesh = init_device_mesh(device.type, (world,))
+    model = build_model().to(device)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -105,7 +111,7 @@ def main() -> int:
     rows = GLOBAL_BATCH // world
     for step in range(start, args.steps):
         x, y = batch(step)
-        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        x, y = x[rank * rows:(rank + 1) * rows].to(device), y[rank * rows:(rank + 1) * rows].to(device)
         loss = torch.nn.functional.mse_loss(model(x), y)  # this rank's mean; FSDP averages gradients over ranks
         optimizer.zero_grad()
         loss.backward()

@@ -227,13 +227,16 @@ class Agent:
         return killed_at
 
     def worker_pids(self) -> list[int]:
-        """The agent's child processes (its workers), whichever of its threads started them."""
+        """The agent's workers: its child processes (a job's own program, whichever of its threads started
+        them), or the children of its forkserver (the packaged trainer's, training/launcher/workers.py).
+        Python's helpers (the forkserver, its resource tracker) are not workers."""
         pids: list[int] = []
-        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
-            try:
-                pids += [int(pid) for pid in (task / "children").read_text().split()]
-            except FileNotFoundError:
-                continue  # the thread, or the agent, is gone
+        for pid in _children(self.proc.pid):
+            command = _command_line(pid)
+            if "multiprocessing.forkserver" in command:
+                pids += _children(pid)
+            elif "multiprocessing.resource_tracker" not in command:
+                pids.append(pid)
         return pids
 
     def kill_workers(self) -> float:
@@ -273,6 +276,23 @@ class Agent:
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+def _children(pid: int) -> list[int]:
+    pids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            pids += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            continue  # the thread, or the process, is gone
+    return pids
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def wait_until(predicate, what: str, timeout: float, agents: list[Agent] = (), poll: float = 0.05):

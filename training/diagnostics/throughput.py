@@ -54,9 +54,12 @@ class Comparison:
                            "trainer": self.trainer, "bare": self.bare, "ratio": round(self.ratio, 4)})
 
 
-def bare_loop(config: TrainConfig, steps: int, warmup: int, losses: list[torch.Tensor] | None = None) -> float:
+def bare_loop(config: TrainConfig, steps: int, warmup: int, losses: list[torch.Tensor] | None = None,
+              ddp: bool = False) -> float:
     """Samples/s of zero_grad/forward/backward/step on one batch already on the device; each
-    step's loss is appended to ``losses`` when given (no host sync)."""
+    step's loss is appended to ``losses`` when given (no host sync). ``ddp``: in a torchrun worker,
+    the model is wrapped in DistributedDataParallel over torchrun's process group (NCCL on a GPU),
+    as a bare DDP program would be."""
     runtime = detect(config.train.device)
     torch.manual_seed(config.train.seed)
     model = build_model(config.model.name, config.model.num_classes, config.model.image_size).to(runtime.device)
@@ -64,6 +67,12 @@ def bare_loop(config: TrainConfig, steps: int, warmup: int, losses: list[torch.T
     if channels_last:
         model.to(memory_format=torch.channels_last)
     optimizer = reference_optimizer(model, config)
+    if ddp:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if runtime.device.type == "cuda" else "gloo")
+        device_ids = [runtime.device] if runtime.device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     if should_compile(config, runtime.kind):  # the trainer's rule, so both sides compile or neither
         model = compile_with_fallback(model)
     trainer_like = _single_batch(config)
@@ -82,7 +91,12 @@ def bare_loop(config: TrainConfig, steps: int, warmup: int, losses: list[torch.T
         if losses is not None:
             losses.append(loss.detach())
     runtime.synchronize()
-    return steps * batch / (time.perf_counter() - started)
+    rate = steps * batch / (time.perf_counter() - started)
+    if ddp:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return rate
 
 
 def reference_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:

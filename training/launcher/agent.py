@@ -12,7 +12,8 @@ would be killed mid-write. So this agent:
 - does not count a failure that followed progress (a newer checkpoint than at the start of
   the round) or a worker that stopped only because a peer did (exit 75). A crash loop that
   never gets past its checkpoint still runs out of restarts;
-- stops workers on a restart with the same budget as on the pod's SIGTERM, except after a lost
+- stops workers on a restart with the same budget as on the pod's SIGTERM (the launcher's
+  ``--shutdown-timeout``, on every torch release), except after a lost
   peer: then they cannot checkpoint (that needs the peer's collectives), and are stopped at once
   once a checkpoint being written is on disk;
 - on an admission (every member alive), keeps the workers and moves them to the new round in
@@ -28,12 +29,14 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from training.launcher import compat
 from training.contract import (
     CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, FINAL_EXITS, NODE_RANKS_EVENT, REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL,
     WRITING_MARKER,
@@ -43,12 +46,45 @@ log = logging.getLogger("training.launcher")
 # Seconds between SIGTERM and SIGKILL for workers that lost a peer: enough to exit if they are not
 # blocked in a collective, and nothing is lost by not waiting longer (no checkpoint can complete).
 LOST_PEER_STOP_S = 0.5
+# torchrun's default between SIGTERM and SIGKILL, when the command names no --shutdown-timeout.
+DEFAULT_STOP_BUDGET_S = 30
+
+
+@dataclass
+class Stop:
+    """The newest checkpoint before and after the agent closed its workers."""
+
+    before: int | None
+    after: int | None
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.after is not None and (self.before is None or self.after > self.before)
+
+
+@dataclass
+class StopRecord:
+    """What the agent's closes did, for the launcher's last word (it never sees the agent torch builds)."""
+
+    stops: list[Stop] = field(default_factory=list)
+
+    def last(self) -> Stop | None:
+        return self.stops[-1] if self.stops else None
 
 
 class PlatformAgent(LocalElasticAgent):
-    def __init__(self, *args: Any, newest_checkpoint: Callable[[], int | None] = lambda: None, **kwargs: Any):
+    def __init__(self, *args: Any, newest_checkpoint: Callable[[], int | None] = lambda: None,
+                 stop_budget_s: float = DEFAULT_STOP_BUDGET_S, stops: StopRecord | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        missing = compat.missing_agent_attributes(self)
+        if missing:
+            raise compat.TorchIncompatible(f"torch's LocalElasticAgent has no {', '.join(missing)}")
         self._newest_checkpoint = newest_checkpoint
+        # Seconds between SIGTERM and SIGKILL for the workers: the launcher's --shutdown-timeout, kept here
+        # (torchrun's own flag and LaunchConfig.shutdown_timeout exist only from torch 2.13).
+        self._stop_budget_s = stop_budget_s
+        self._stop_timeout: float | None = None  # set by _stop_workers for the _shutdown it calls
+        self._stops = stops if stops is not None else StopRecord()
         self._checkpoint_at_start: int | None = None
         self.free_restarts = 0  # failures that did not count against --max-restarts
         self._workers_failed = False  # a worker of this node failed: its siblings wait on it in collectives
@@ -81,16 +117,29 @@ class PlatformAgent(LocalElasticAgent):
                     stale.unlink(missing_ok=True)
         return super()._start_workers(worker_group)
 
-    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+    def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
+        # torch 2.8 passes is_restart too; 2.13 does not: whatever it passes goes back to it.
         # A restart the workers can checkpoint through gets their whole budget; after a peer was
         # lost they would wait on its collectives until a timeout, so they stop at once.
         graceful = getattr(worker_group.spec.rdzv_handler, "stop_gracefully", True) and not self._workers_failed
         self._workers_failed = False
         if not graceful:
             self._wait_for_writes()
-        self._shutdown(timeout=self._shutdown_timeout if graceful else LOST_PEER_STOP_S)
+        self._stop_timeout = self._stop_budget_s if graceful else LOST_PEER_STOP_S
+        try:
+            super()._stop_workers(worker_group, *args, **kwargs)
+        finally:
+            self._stop_timeout = None
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args: Any, **kwargs: Any) -> None:
+        """Close the workers with the platform's budget, then let torch finish its own shutdown.
+
+        torch's ``_shutdown`` closes the workers with a timeout of its own: 30 s on torch 2.8
+        (``_pcontext.close(death_sig)``), its ``--shutdown-timeout`` from 2.13, whose signature is
+        ``(death_sig, timeout)`` where 2.8's is ``(death_sig, is_restart)``. The workers are closed here
+        first, through the process context's public ``close(death_sig, timeout)``; torch's close then
+        finds them gone. Its other arguments go back to it as they came.
+        """
         if death_sig == signal.SIGINT and threading.current_thread() is threading.main_thread():
             # A Ctrl-C reached this agent and, from the terminal, its workers, which checkpoint at
             # the end of their step and take the copy forwarded here for the same Ctrl-C
@@ -99,14 +148,19 @@ class PlatformAgent(LocalElasticAgent):
             # budget (torch 2.13 elastic/agent/server/api.py, ``run``: ``finally: _shutdown``);
             # it ends this agent at once instead, and the workers with it (die_with_agent).
             signal.signal(signal.SIGINT, _exit_at_second_ctrl_c)
-        super()._shutdown(death_sig, timeout)
+        if self._pcontext is not None:
+            timeout = self._stop_timeout if self._stop_timeout is not None else self._stop_budget_s
+            before = self._newest_checkpoint()
+            self._pcontext.close(death_sig, timeout)
+            self._stops.stops.append(Stop(before, self._newest_checkpoint()))
+        super()._shutdown(death_sig, *args, **kwargs)
 
     def _wait_for_writes(self) -> None:
         """A checkpoint being written when a peer died is finished before the workers are killed:
         it is the one the job resumes from (its writer thread runs on while the main one is stuck)."""
         if self._control_dir is None:
             return
-        deadline = time.monotonic() + self._shutdown_timeout
+        deadline = time.monotonic() + self._stop_budget_s
         while list(self._control_dir.glob(f"{WRITING_MARKER}-*")) and time.monotonic() < deadline:
             if self._pcontext is None or self._pcontext.wait(0) is not None:
                 return  # the workers are gone: nothing is being written any more
@@ -128,7 +182,7 @@ class PlatformAgent(LocalElasticAgent):
         generation = self._generation + 1
         for pid in pids.values():
             os.kill(pid, REGROUP_SIGNAL)
-        deadline = time.monotonic() + self._shutdown_timeout
+        deadline = time.monotonic() + self._stop_budget_s
         while not all(self._paused(local_rank, generation) for local_rank in pids):
             if self._pcontext.wait(0) is not None or time.monotonic() > deadline:
                 log.warning("the workers did not pause for a regroup; restarting them instead")
@@ -195,15 +249,17 @@ def _exit_at_second_ctrl_c(signum, _frame) -> None:
     os._exit(128 + signum)
 
 
-def install(newest_checkpoint: Callable[[], int | None]) -> None:
+def install(newest_checkpoint: Callable[[], int | None], stop_budget_s: float = DEFAULT_STOP_BUDGET_S,
+            stops: StopRecord | None = None) -> None:
     """Make torch's ``launch_agent`` build a :class:`PlatformAgent`.
 
-    ``torch.distributed.launcher.api.launch_agent`` (torch 2.13) constructs the agent through
+    ``torch.distributed.launcher.api.launch_agent`` (torch 2.8 to 2.14) constructs the agent through
     its module-level name ``LocalElasticAgent``; it has no other way to choose the class.
-    tests/test_restart_budget.py fails if a torch upgrade changes that.
+    tests/test_launcher_torches.py fails if a torch upgrade changes that (compat.SURFACES names it).
     """
     import functools
 
     import torch.distributed.launcher.api as launcher_api
 
-    launcher_api.LocalElasticAgent = functools.partial(PlatformAgent, newest_checkpoint=newest_checkpoint)
+    launcher_api.LocalElasticAgent = functools.partial(PlatformAgent, newest_checkpoint=newest_checkpoint,
+                                                       stop_budget_s=stop_budget_s, stops=stops)

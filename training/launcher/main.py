@@ -7,17 +7,19 @@ and the program: ``-m training train`` with the trainer's overrides, or a job's 
 torchrun's subprocess workers, the same rendezvous, exit statuses and stop budget, and has its
 progress counted by the numbered entries of ``$PLATFORM_CHECKPOINT_DIR``.
 
-``python -m training.launcher`` is torchrun with four platform decisions (each measured with
-torch 2.13, real agents and a real etcd; see docs/elasticity-and-checkpoints.md):
+``python -m training.launcher`` is torchrun with five platform decisions (each measured with
+real agents and a real etcd under torch 2.8, 2.13 and 2.14; see docs/elasticity-and-checkpoints.md):
 
 - the ``platform-etcd`` rendezvous (:mod:`training.launcher.rendezvous`) on etcd's v3 API: leases for
   liveness, growth admitted in batches, shrink without a last call, etcd outages up to
   ``outage_tolerance`` waited out, and only the job's success closes a round;
 - sub-second keep-alives, which torchrun's own parser cannot take;
-- workers forked from the agent, which has imported torch and the trainer already (seconds
-  less per restart, and a node joining a running job is warm before it counts as waiting;
-  the packaged trainer only);
-- exit statuses the job controller acts on (:data:`EXIT_CONFIG`, :data:`EXIT_RESTART_JOB`).
+- warm workers for the packaged trainer: forked by a server that imported torch and the trainer
+  before the node counted as waiting, never by the agent, so they can use CUDA (:mod:`training.launcher.workers`);
+- only what every supported torch has of torch's agent, checked at start (:mod:`training.launcher.compat`),
+  and its own ``--shutdown-timeout``, which torchrun's parser has only from 2.13;
+- exit statuses the job controller acts on (:data:`EXIT_CONFIG`, :data:`EXIT_RESTART_JOB`); a failure of
+  the launcher itself, or before any progress, ends the job in one line instead of restarting it.
 
 torch is imported only by :func:`main`.
 """
@@ -26,9 +28,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
-import time
 
 from training.contract import (
     AGENT_PID_ENV, BATCH_NODE_FLAG, CHECKPOINT_DIR_ENV, CONTROL_DIR_ENV, EXIT_CONFIG, EXIT_CRASH_LOOP,
@@ -38,38 +40,10 @@ from training.contract import (
 )
 
 log = logging.getLogger("training.launcher")
-
-
-def _train_worker(*argv: str) -> None:
-    """A worker's entry point, run in a process forked from the agent."""
-    from training.loop.worker_guard import die_with_agent
-
-    die_with_agent()
-    from training.loop import elastic
-    from training.__main__ import main as trainer_main
-
-    try:
-        code = trainer_main(list(argv))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001 - reported here, then the process ends at once
-        # A failed collective (a peer died) leaves gloo's threads waiting on the dead peer: the
-        # interpreter's teardown would wait seconds for them, and the agent for the process
-        # before it can re-form the round. The traceback is printed, and the exit is immediate.
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    if code:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    if elastic.received_signal():
-        # The agent is stopping the group (it sent the signal) and reads no result; torch's
-        # process wrapper would wait for it to read one, until the agent's SIGKILL.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+SHUTDOWN_TIMEOUT_FLAG = "--shutdown-timeout"
+# torchrun start methods that mean the packaged trainer's warm workers: fork (commands rendered by
+# earlier releases) is served by the forkserver too, since a forked worker cannot use CUDA.
+WARM_START_METHODS = ("fork", "forkserver")
 
 
 def _trainer_config(argv: list[str]):
@@ -126,22 +100,6 @@ def _single_node_defaults(args) -> None:
         args.master_port = 29500
 
 
-def _warm_up_trainer() -> None:
-    """Before this node counts as ready to join: import the trainer, so forked workers start warm.
-
-    torch.optim imports torch._dynamo when the first optimizer is built (torch 2.13
-    torch/_compile.py, ``_disable_dynamo``): 1.7 s of a worker's 1.72 s start on this project's
-    CI machine (mlp, profiled), paid again by every worker of every restart unless the agent
-    has imported it before forking them.
-    """
-    started = time.monotonic()
-    import torch._dynamo  # noqa: F401 - imported for its side effect: the modules are loaded before the fork
-
-    import training.loop.trainer  # noqa: F401 - likewise: imported for its side effect, before the fork
-
-    log.info("the trainer is imported (%.1f s); this node is ready to join", time.monotonic() - started)
-
-
 def _fresh_incarnation() -> int:
     """EXIT_RESTART_JOB, said also in the file $PLATFORM_RESTART_MARKER names when the scheduler loses a
     node's own status (Slurm: see RESTART_MARKER_ENV)."""
@@ -155,18 +113,74 @@ def _fresh_incarnation() -> int:
     return EXIT_RESTART_JOB
 
 
+def _own_flags(argv: list[str], takes_value: set[str]) -> tuple[list[str], float | None, str | None]:
+    """(argv without the launcher's own flags, --shutdown-timeout's value, the first problem).
+
+    ``--shutdown-timeout`` is the launcher's: torchrun has it only from torch 2.13 (run.py:689 at
+    2.13; absent at 2.8), and its agent applies it only to a stop by a signal, not to a restart.
+    Only the launcher's part of the command is read: it ends where the program starts (the first
+    word that is not an option or an option's value; ``takes_value``: torchrun's options with a value).
+    """
+    rest, budget = [], None
+    position = 0
+    while position < len(argv):
+        arg = argv[position]
+        position += 1
+        if arg == SHUTDOWN_TIMEOUT_FLAG or arg.startswith(SHUTDOWN_TIMEOUT_FLAG + "="):
+            if "=" in arg:
+                raw = arg.split("=", 1)[1]
+            else:
+                raw = argv[position] if position < len(argv) else ""
+                position += 1
+            try:
+                budget = float(raw)
+            except ValueError:
+                budget = -1.0
+            if not budget >= 0:
+                return argv, None, f"{SHUTDOWN_TIMEOUT_FLAG}: got {raw!r}; allowed: seconds, 0 or more"
+            continue
+        rest.append(arg)
+        if not arg.startswith("-") or arg == "--":
+            rest += argv[position:]  # the program and its arguments: never the launcher's
+            break
+        if "=" not in arg and arg in takes_value and position < len(argv):
+            rest.append(argv[position])
+            position += 1
+    return rest, budget, None
+
+
+def _options_with_values(parser) -> set[str]:
+    return {option for action in parser._actions if action.nargs != 0 for option in action.option_strings}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    """torchrun with the platform's rendezvous, forked workers and exit statuses (see the module docstring)."""
+    """torchrun with the platform's rendezvous, warm workers and exit statuses (see the module docstring)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from training.launcher import compat
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    problem = compat.problem()  # before anything of torch's agent is imported: one line, not a traceback
+    if problem:
+        print(f"config error: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
     from torch.distributed import run as torchrun
+
+    argv, stop_budget_s, problem = _own_flags(argv, _options_with_values(torchrun.get_args_parser()))
+    if problem:
+        print(f"config error: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from training.launcher import agent, rendezvous
+    from training.launcher import agent, rendezvous, workers
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     # A scheduler's fixed allocation (AWS Batch, Slurm): the node's place comes from the scheduler's variables.
     for flag, place in ((BATCH_NODE_FLAG, batch_rendezvous_arguments), (SLURM_NODE_FLAG, slurm_rendezvous_arguments)):
         if flag in argv:
@@ -191,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         newest_checkpoint = _newest_checkpoint(os.environ[CHECKPOINT_DIR_ENV], program_checkpoint_step)
     else:
         newest_checkpoint = lambda: None  # noqa: E731 - no progress to count: every failure counts
-    agent.install(newest_checkpoint)
+    stop_budget_s = agent.DEFAULT_STOP_BUDGET_S if stop_budget_s is None else stop_budget_s
+    stops = agent.StopRecord()
+    agent.install(newest_checkpoint, stop_budget_s=stop_budget_s, stops=stops)
     checkpoint_at_start = newest_checkpoint()
     os.environ.update(LAUNCH_ENVIRONMENT)
     if trainer_config is not None:
@@ -200,19 +216,34 @@ def main(argv: list[str] | None = None) -> int:
         agent_dir = tempfile.mkdtemp(prefix="platform-agent-")
         os.environ[PROGRESS_FILE_ENV] = os.path.join(agent_dir, "progress")
         os.environ[CONTROL_DIR_ENV] = agent_dir
-    rendezvous.register(warm_up=_warm_up_trainer if trainer_config is not None else None)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     _single_node_defaults(args)
     config, entrypoint, entry_args = torchrun.config_from_args(args)
-    if packaged and config.start_method == "fork":
-        entrypoint, entry_args = _train_worker, list(args.training_script_args)
+    warm = packaged and config.start_method in WARM_START_METHODS
+    if warm:
+        # The packaged trainer's workers come from a forkserver that has imported it (workers.py): warm
+        # like forked ones, and free to use CUDA or Neuron whatever the agent did (it counted the GPUs).
+        config.start_method = workers.START_METHOD
+        entrypoint, entry_args = workers.train_worker, list(args.training_script_args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # The workers' budget between SIGTERM and SIGKILL; the trainer checks its checkpoints against it.
-    os.environ[STOP_BUDGET_ENV] = str(config.shutdown_timeout or 30)
+    os.environ[STOP_BUDGET_ENV] = str(int(stop_budget_s) if float(stop_budget_s).is_integer() else stop_budget_s)
+    # Last, once the environment is final (the workers' is the server's): the node counts as ready to
+    # join only when its warm-up is done. Another rendezvous (Batch's and Slurm's static one) has no
+    # waiting to order: the server starts now.
+    rendezvous.register(warm_up=_start_warm_workers if warm else None)
+    if warm and config.rdzv_backend != rendezvous.BACKEND_NAME:
+        _start_warm_workers()
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except SignalException as exc:
-        log.warning("stopped by %s; the workers checkpointed", exc.sigval.name)
+        name = signal.Signals(int(exc.sigval)).name
+        stop = stops.last()
+        if stop is not None and stop.checkpointed:
+            log.warning("stopped by %s; the workers wrote their stop checkpoint (step %s)", name, stop.after)
+        else:
+            log.warning("stopped by %s; no new checkpoint was written (newest: %s)", name,
+                        stop.after if stop is not None else newest_checkpoint())
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         final = sorted({failure.exitcode for failure in exc.failures.values()} & set(FINAL_EXITS))
@@ -232,9 +263,56 @@ def main(argv: list[str] | None = None) -> int:
         # Only a job's success closes its round: this node came after the end.
         log.info("the job finished before this node could join; nothing to do")
         return 0
-    except Exception as exc:  # any other end of the agent: this incarnation is over
-        log.error("the agent ended with %s: %s; asking for a fresh incarnation of the job",
-                  type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", exc_info=exc)
-        return _fresh_incarnation()
+    except compat.TorchIncompatible as exc:
+        print(f"config error: {exc}; allowed: torch {compat.supported()} (training/launcher/compat.py)",
+              file=sys.stderr)
+        return EXIT_CONFIG
+    except Exception as exc:  # noqa: BLE001 - any other end of the agent: _agent_failed says what follows
+        return _agent_failed(exc, newest_checkpoint, checkpoint_at_start)
     return 0
 
+
+def _start_warm_workers() -> None:
+    from training.launcher import workers
+
+    seconds = workers.start_server(meanwhile=_import_dynamo)
+    log.info("the trainer is imported in this node's worker server (%.1f s); this node is ready to join", seconds)
+
+
+def _import_dynamo() -> None:
+    """torch's log formatter imports torch._dynamo the first time the agent logs a worker's failure
+    (torch 2.13 torch/_logging/_internal.py, ``format``): 2 s on this project's CI machine, added to
+    every restart's first one unless imported here, while the worker server imports the trainer."""
+    import torch._dynamo  # noqa: F401 - imported for its side effect
+
+
+def _agent_failed(exc: Exception, newest_checkpoint, checkpoint_at_start) -> int:
+    """The agent ended with an error of its own. A fresh incarnation only when this one made progress and the
+    error is one that a new start can clear (the rendezvous, the network); a bug, an incompatible torch, or a
+    failure before any progress ends the job: a restart would fail the same way, holding every node."""
+    import torch
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    newest = newest_checkpoint()
+    progressed = newest is not None and (checkpoint_at_start is None or newest > checkpoint_at_start)
+    transient = isinstance(exc, (RendezvousError, OSError, TimeoutError)) or _is_dist_error(exc)
+    log.error("the agent failed", exc_info=exc)
+    if not transient:
+        print(f"config error: the launcher failed on torch {torch.__version__}: {_first_line(exc)}; ending the "
+              "job, a restart would fail the same way (please report it with the lines above)", file=sys.stderr)
+        return EXIT_CONFIG
+    if not progressed:
+        print(f"the launcher failed before this node's workers made progress ({_first_line(exc)}; newest "
+              f"checkpoint: {newest}): ending the job, a fresh incarnation would start from the same place",
+              file=sys.stderr)
+        return EXIT_CRASH_LOOP
+    log.error("the agent ended with %s after progress (checkpoint %s, %s at the start); asking for a fresh "
+              "incarnation of the job", _first_line(exc), newest, checkpoint_at_start)
+    return _fresh_incarnation()
+
+
+def _is_dist_error(exc: Exception) -> bool:
+    import torch.distributed as dist
+
+    dist_error = getattr(dist, "DistError", None)  # torch 2.1 and newer
+    return dist_error is not None and isinstance(exc, dist_error)

