@@ -9,6 +9,7 @@ docs/DESIGN.md, "The launcher and torch", says what each case stands for.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import signal
@@ -188,7 +189,7 @@ def test_a_launcher_that_never_trained_ends_the_job_instead_of_restarting_it(tmp
     code, output = run_alone(tmp_path, etcd, "never-trained", min_nodes=2, max_nodes=2,
                              tuning=replace(LOCAL_TUNING, join_timeout=3))
     assert code == EXIT_CRASH_LOOP, output[-3000:]
-    assert "before this node's workers made progress (RendezvousTimeoutError" in output.strip().splitlines()[-1]
+    assert "before the job wrote any checkpoint (RendezvousTimeoutError" in output.strip().splitlines()[-1]
 
 
 def test_a_stop_without_a_checkpoint_says_so(tmp_path, etcd):
@@ -261,3 +262,53 @@ def test_the_launcher_reads_only_launch_config_fields_the_oldest_torch_has():
     read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name) and node.value.id == "config"}
     assert read and read <= set(compat.LAUNCH_CONFIG_FIELDS), read - set(compat.LAUNCH_CONFIG_FIELDS)
+
+
+def test_a_worker_server_that_cannot_import_the_trainer_ends_the_job_in_one_line(tmp_path, etcd):
+    """Python's forkserver drops a failed preload silently (multiprocessing/forkserver.py, ``main``): the
+    workers would start cold and fail one by one. The launcher asks the server, and stops in one line."""
+    code, output = run_alone(tmp_path, etcd, "cold-server",
+                             env=hooked(tmp_path, 'import sys\nsys.modules["training.loop.trainer"] = None\n'))
+    assert code == EXIT_CONFIG, output[-3000:]
+    assert "WorkerServerError: the worker server could not import training.launcher.worker_server:" in \
+        output.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(("argv", "budget", "rest"), [
+    (["--nnodes=1", "--shutdown-timeout=105", "-m", "training", "train"], 105, ["--nnodes=1", "-m", "training", "train"]),
+    (["--shutdown_timeout", "7.5", "--nnodes", "2", "x.py", "--shutdown-timeout=1"], 7.5,
+     ["--nnodes", "2", "x.py", "--shutdown-timeout=1"]),  # the program's own arguments are the program's
+    (["--rdzv-conf", "a=1", "--", "--shutdown-timeout=3"], None, ["--rdzv-conf", "a=1", "--", "--shutdown-timeout=3"]),
+])
+def test_the_launcher_reads_its_own_flag_and_leaves_the_rest_to_torchrun(argv, budget, rest):
+    from torch.distributed.run import get_args_parser
+
+    from training.launcher.main import _options_with_values, _own_flags
+
+    assert _own_flags(argv, _options_with_values(get_args_parser())) == (rest, budget, None)
+
+
+@pytest.mark.parametrize("value", ["-1", "inf", "nan", "soon", ""])
+def test_a_bad_stop_budget_is_one_line_naming_the_flag(value):
+    from torch.distributed.run import get_args_parser
+
+    from training.launcher.main import _options_with_values, _own_flags
+
+    _rest, _budget, problem = _own_flags([f"--shutdown-timeout={value}", "-m", "training"],
+                                         _options_with_values(get_args_parser()))
+    assert problem == f"--shutdown-timeout: got {value!r}; allowed: seconds, 0 or more"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None,
+                    reason="torch_xla is not installed: `make test-torches` runs this in .venv-xla (the Neuron image's torch)")
+def test_the_neuron_path_trains_through_the_launchers_worker_server(tmp_path, etcd):
+    """train.device=neuron (torch_xla, on its CPU device here) in a worker of the forkserver, world 1: XLA's CPU
+    device is one process's world (tests/test_xla_training.py carries two ranks' collectives by hand)."""
+    args = [*trainer_args(tmp_path, 4000), "--train.device=neuron", "--train.max_steps=10"]
+    agent = Agent("a", etcd, "neuron", tmp_path, args, min_nodes=1, max_nodes=1, env={"PJRT_DEVICE": "CPU"})
+    try:
+        assert agent.wait(300) == 0, agent.output()[-3000:]
+    finally:
+        agent.stop()
+    (round_,) = events(tmp_path, "rendezvous")
+    assert round_["device"].startswith("Neuron device") and events(tmp_path, "finished")

@@ -95,9 +95,9 @@ ACCELERATOR_TAINT_EFFECT = "NoSchedule"
 # Exit statuses, which the agent and the job controller's policies act on (k8s_charts/job_charts.py).
 EXIT_MEMBERSHIP_CHANGE = 75  # a worker stopped only because a peer was told to: restart into a new round
 EXIT_DIVERGED = 76  # the loss is not finite: retrying from the last checkpoint would diverge again
-# The workers failed for good, or the agent did (its rendezvous, its network), and no checkpoint was
-# written since this agent started: a fresh incarnation would start from the same checkpoint and fail
-# the same way. The job ends.
+# The workers failed for good and no checkpoint was written since this agent started, or the agent
+# failed (its rendezvous, its network) in a job without any checkpoint: a fresh incarnation would start
+# from the same place and fail the same way. The job ends.
 EXIT_CRASH_LOOP = 77
 # EX_CONFIG: the config, the data, the checkpoint dir or the image (a torch the launcher cannot run on, an
 # error of the launcher itself) is wrong; nothing retries it.

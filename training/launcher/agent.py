@@ -118,7 +118,7 @@ class PlatformAgent(LocalElasticAgent):
         return super()._start_workers(worker_group)
 
     def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
-        # torch 2.8 passes is_restart too; 2.13 does not: whatever it passes goes back to it.
+        # Whatever torch passes besides the group goes back to it (none, at 2.8 to 2.14).
         # A restart the workers can checkpoint through gets their whole budget; after a peer was
         # lost they would wait on its collectives until a timeout, so they stop at once.
         graceful = getattr(worker_group.spec.rdzv_handler, "stop_gracefully", True) and not self._workers_failed
@@ -136,7 +136,7 @@ class PlatformAgent(LocalElasticAgent):
 
         torch's ``_shutdown`` closes the workers with a timeout of its own: 30 s on torch 2.8
         (``_pcontext.close(death_sig)``), its ``--shutdown-timeout`` from 2.13, whose signature is
-        ``(death_sig, timeout)`` where 2.8's is ``(death_sig, is_restart)``. The workers are closed here
+        ``(death_sig, timeout)`` where 2.8's is ``(death_sig)``. The workers are closed here
         first, through the process context's public ``close(death_sig, timeout)``; torch's close then
         finds them gone. Its other arguments go back to it as they came.
         """

@@ -27,6 +27,7 @@ torch is imported only by :func:`main`.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -41,6 +42,7 @@ from training.contract import (
 
 log = logging.getLogger("training.launcher")
 SHUTDOWN_TIMEOUT_FLAG = "--shutdown-timeout"
+SHUTDOWN_TIMEOUT_SPELLINGS = (SHUTDOWN_TIMEOUT_FLAG, "--shutdown_timeout")  # torchrun takes both (run.py:690-691 @2.13)
 # torchrun start methods that mean the packaged trainer's warm workers: fork (commands rendered by
 # earlier releases) is served by the forkserver too, since a forked worker cannot use CUDA.
 WARM_START_METHODS = ("fork", "forkserver")
@@ -126,7 +128,7 @@ def _own_flags(argv: list[str], takes_value: set[str]) -> tuple[list[str], float
     while position < len(argv):
         arg = argv[position]
         position += 1
-        if arg == SHUTDOWN_TIMEOUT_FLAG or arg.startswith(SHUTDOWN_TIMEOUT_FLAG + "="):
+        if arg.split("=", 1)[0] in SHUTDOWN_TIMEOUT_SPELLINGS:
             if "=" in arg:
                 raw = arg.split("=", 1)[1]
             else:
@@ -136,7 +138,7 @@ def _own_flags(argv: list[str], takes_value: set[str]) -> tuple[list[str], float
                 budget = float(raw)
             except ValueError:
                 budget = -1.0
-            if not budget >= 0:
+            if not (budget >= 0 and math.isfinite(budget)):
                 return argv, None, f"{SHUTDOWN_TIMEOUT_FLAG}: got {raw!r}; allowed: seconds, 0 or more"
             continue
         rest.append(arg)
@@ -232,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     # join only when its warm-up is done. Another rendezvous (Batch's and Slurm's static one) has no
     # waiting to order: the server starts now.
     rendezvous.register(warm_up=_start_warm_workers if warm else None)
-    if warm and config.rdzv_backend != rendezvous.BACKEND_NAME:
-        _start_warm_workers()
     try:
+        if warm and config.rdzv_backend != rendezvous.BACKEND_NAME:
+            _start_warm_workers()
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except SignalException as exc:
         name = signal.Signals(int(exc.sigval)).name
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_CONFIG
     except Exception as exc:  # noqa: BLE001 - any other end of the agent: _agent_failed says what follows
-        return _agent_failed(exc, newest_checkpoint, checkpoint_at_start)
+        return _agent_failed(exc, newest_checkpoint)
     return 0
 
 
@@ -286,33 +288,29 @@ def _import_dynamo() -> None:
     import torch._dynamo  # noqa: F401 - imported for its side effect
 
 
-def _agent_failed(exc: Exception, newest_checkpoint, checkpoint_at_start) -> int:
-    """The agent ended with an error of its own. A fresh incarnation only when this one made progress and the
-    error is one that a new start can clear (the rendezvous, the network); a bug, an incompatible torch, or a
-    failure before any progress ends the job: a restart would fail the same way, holding every node."""
+# Errors of the launcher's own code, or of a torch it cannot run on: a new incarnation would meet them again.
+INTERNAL_ERRORS = (AttributeError, TypeError, NameError, ImportError, AssertionError, NotImplementedError)
+
+
+def _agent_failed(exc: Exception, newest_checkpoint) -> int:
+    """The agent ended with an error of its own (not its workers'). A bug or an incompatible torch ends the
+    job (78); so does any other error of a job that never wrote a checkpoint (77: nothing was ever trained,
+    a fresh incarnation would start from nothing and most likely fail the same way). Otherwise the error is
+    the rendezvous', the store's or the network's, which a new start can clear: a fresh incarnation (79)."""
     import torch
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    from training.launcher.workers import WorkerServerError
 
     newest = newest_checkpoint()
-    progressed = newest is not None and (checkpoint_at_start is None or newest > checkpoint_at_start)
-    transient = isinstance(exc, (RendezvousError, OSError, TimeoutError)) or _is_dist_error(exc)
     log.error("the agent failed", exc_info=exc)
-    if not transient:
+    if isinstance(exc, (*INTERNAL_ERRORS, WorkerServerError)):
         print(f"config error: the launcher failed on torch {torch.__version__}: {_first_line(exc)}; ending the "
               "job, a restart would fail the same way (please report it with the lines above)", file=sys.stderr)
         return EXIT_CONFIG
-    if not progressed:
-        print(f"the launcher failed before this node's workers made progress ({_first_line(exc)}; newest "
-              f"checkpoint: {newest}): ending the job, a fresh incarnation would start from the same place",
-              file=sys.stderr)
+    if newest is None:
+        print(f"the launcher failed before the job wrote any checkpoint ({_first_line(exc)}): ending the job, a "
+              "fresh incarnation would start from nothing again", file=sys.stderr)
         return EXIT_CRASH_LOOP
-    log.error("the agent ended with %s after progress (checkpoint %s, %s at the start); asking for a fresh "
-              "incarnation of the job", _first_line(exc), newest, checkpoint_at_start)
+    log.error("the agent ended with %s; the job has trained (checkpoint %s): asking for a fresh incarnation",
+              _first_line(exc), newest)
     return _fresh_incarnation()
-
-
-def _is_dist_error(exc: Exception) -> bool:
-    import torch.distributed as dist
-
-    dist_error = getattr(dist, "DistError", None)  # torch 2.1 and newer
-    return dist_error is not None and isinstance(exc, dist_error)

@@ -7,8 +7,7 @@ write their stop checkpoint. So the server blocks the agent's stop signals (it i
 itself, but only once its imports are done: CPython 3.11 multiprocessing/forkserver.py, ``main``);
 each worker unblocks them first thing
 (``workers.train_worker``), and one sent meanwhile is delivered then. The server ends when the
-agent does: its end of the server's pipe closes, or the agent dies (``die_with_agent``, run at the
-import of ``training.__main__`` below).
+agent does: its end of the server's pipe closes, or the agent dies (``die_with_agent``).
 
 What a worker needs is imported here, once: torch.optim imports torch._dynamo when the first
 optimizer is built (torch 2.13 torch/_compile.py, ``_disable_dynamo``): 1.7 s of a worker's 1.72 s
@@ -20,8 +19,10 @@ with torch's CUDA build and finds no poison).
 import signal
 
 from training.launcher.workers import SERVER_BLOCKED_SIGNALS
+from training.loop.worker_guard import die_with_agent
 
 signal.pthread_sigmask(signal.SIG_BLOCK, SERVER_BLOCKED_SIGNALS)
+die_with_agent()  # first: an agent killed while the server imports takes the server with it
 
 import torch._dynamo  # noqa: E402, F401 - imported for its side effect: loaded before the fork
 

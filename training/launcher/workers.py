@@ -43,8 +43,19 @@ def _context():
     return multiprocessing.get_context(START_METHOD)
 
 
+class WorkerServerError(RuntimeError):
+    """The node's worker server could not import the trainer (its log has the error)."""
+
+
+# The readiness probe's exit status when the server lacks PRELOAD (any other status: the server is up).
+PRELOAD_MISSING = 3
+
+
 def _ready() -> None:
-    """A process that does nothing: it starts once the server has imported PRELOAD."""
+    """Started once the server has imported PRELOAD, which it does silently, whatever fails (CPython's
+    multiprocessing/forkserver.py, ``main``: ``except ImportError: pass``): says whether it has."""
+    if PRELOAD[0] not in sys.modules:
+        os._exit(PRELOAD_MISSING)
 
 
 def start_server(meanwhile: Callable[[], None] = lambda: None) -> float:
@@ -62,6 +73,9 @@ def start_server(meanwhile: Callable[[], None] = lambda: None) -> float:
     probe = context.Process(target=_ready, name="platform-forkserver-ready")
     probe.start()  # the server forks it only after its imports
     probe.join()
+    if probe.exitcode == PRELOAD_MISSING:
+        raise WorkerServerError(f"the worker server could not import {PRELOAD[0]}: "
+                                f"run `python -c 'import {PRELOAD[0]}'` in the image to see why")
     return time.monotonic() - started
 
 
