@@ -110,7 +110,7 @@ def restart(args) -> None:
                 os.link(checkpoint, target / checkpoint.name)
                 subprocess.run(
                     [sys.executable, "-m", "training.launcher", "--standalone", f"--nproc-per-node={ranks}",
-                     "--start-method=fork", "-m", "training", "train", *common, f"--metrics.jsonl_path={events}",
+                     "--start-method=forkserver", "-m", "training", "train", *common, f"--metrics.jsonl_path={events}",
                      "--train.max_steps=2", f"--checkpoint.dir={target}"],
                     cwd=REPO, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
                 resume = next(e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == "resume")

@@ -173,3 +173,16 @@ def test_logs_rank_is_the_pod_holding_that_rank_after_a_regroup_and_pod_is_the_i
     assert code == 2 and "allowed: an index from 0 to 1" in err
     code, _, err = cli("logs", "resnet50-imagenet", "--all", "--rank", "1", "--context", "lab")  # not ignored
     assert code == 2 and "argument --rank: not allowed with argument --all" in err
+
+
+def test_submit_to_a_cluster_without_volcano_is_one_line_and_creates_nothing(cli, server):
+    """kube-apiserver answers a group it does not serve with a plain 404 page: the queue check listed
+    the queues after it found none by name, and printed the client's traceback (issue 51, item 6)."""
+    server.volcano_installed = False
+    code, _out, err = cli("submit", JOB, "--context", "lab")
+    assert code != 0
+    line = trainctl_fixtures.one_error(err)
+    assert line.startswith(f"error: queue: got 'training', but the cluster at {server.url} has no Volcano queues "
+                           "(scheduling.volcano.sh/v1beta1 queues: HTTP 404)"), line
+    assert "deploy the platform's cluster stack, which installs Volcano" in line
+    assert not [r for r in server.requests if r[0] == "POST"]

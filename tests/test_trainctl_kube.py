@@ -64,6 +64,9 @@ class FakeApiServer:
         self.phases: list[str] = []  # each GET of a job moves it to the next phase
         self.pod_logs: dict[str, str] = {}  # a pod's log instead of RANK0_LOG / WORKER_LOG
         self.refuse_create: tuple[int, str] | None = None  # (status, message) for every create
+        # False: a cluster without Volcano. kube-apiserver answers a group it does not serve with a plain
+        # 404 page, not a Status (staging/src/k8s.io/apiserver/pkg/server/mux: NotFound handler).
+        self.volcano_installed = True
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -92,6 +95,9 @@ class FakeApiServer:
                     if server.terminating[name] < 0:
                         del server.terminating[name], server.jobs[name]
                         server.pods_alive = False
+                if not server.volcano_installed and path.startswith(("/apis/scheduling.volcano.sh/",
+                                                                      "/apis/batch.volcano.sh/")):
+                    return self._send(404, b"404 page not found\n", content_type="text/plain; charset=utf-8")
                 queue = re.fullmatch(r"/apis/scheduling.volcano.sh/v1beta1/queues(?:/([^/]+))?", path)
                 if queue:
                     if queue.group(1) is None:

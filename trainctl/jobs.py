@@ -139,7 +139,13 @@ class Jobs:
         spec = job.get("spec", {})
         queue, priority = spec.get("queue"), spec.get("priorityClassName")
         if queue and self._call(self._get, self.custom.get_cluster_custom_object, *QUEUES, queue) is None:
-            names = [q["metadata"]["name"] for q in self._call(self.custom.list_cluster_custom_object, *QUEUES)["items"]]
+            queues = self._call(self._get, self.custom.list_cluster_custom_object, *QUEUES)
+            if queues is None:  # the resource itself is not served: no Volcano on this cluster
+                raise UserError(f"queue: got {queue!r}, but the cluster at {self.server} has no Volcano queues "
+                                f"({QUEUES[0]}/{QUEUES[1]} {QUEUES[2]}: HTTP 404)",
+                                "deploy the platform's cluster stack, which installs Volcano, or name the platform's "
+                                "cluster with --context")
+            names = [q["metadata"]["name"] for q in queues["items"]]
             raise UserError(f"queue: got {queue!r}, which the cluster does not have",
                             f"allowed: {', '.join(sorted(names)) or 'none (deploy the platform)'}")
         if priority and self._call(self._get, self.scheduling.read_priority_class, priority) is None:
