@@ -31,8 +31,10 @@ import sys
 import time
 from typing import Callable
 
+from training.contract import WARM_START_METHOD
+
 log = logging.getLogger("training.launcher")
-START_METHOD = "forkserver"
+START_METHOD = WARM_START_METHOD  # the launch command's --start-method for the packaged trainer: one name, one place
 # The server's imports (training/launcher/worker_server.py, which imports the trainer).
 PRELOAD = ["training.launcher.worker_server"]
 # Signals the server blocks and each worker unblocks (see worker_server): the agent's stop signals.
