@@ -11,6 +11,13 @@ Then one SIGTERM trial with the platform launcher (steps lost must be 0), and wi
 the failure drills (training/devtools/drills.py) whose costs docs/elasticity-and-checkpoints.md shows.
 
     python benchmarks/elastic_recovery.py [--trials 5] [--failures]   (--trials 0: the failure table alone)
+
+With --lost-node 2,8,16 [--moments 0,1,2] [--survivors memory,restart]: one node SIGKILLed between
+two checkpoints, during a checkpoint write and during an evaluation, at each size, with the
+survivors recovering from memory (the shipped launcher) and restarting from the checkpoint
+(PLATFORM_REGROUP_IN_PLACE=0, as before issue 49): steps trained again, SIGKILL -> next step, and
+the bytes read from the checkpoint folder
+(training.devtools.drills.lost_node_drill). docs/elasticity-and-checkpoints.md shows the table.
 """
 
 from __future__ import annotations
@@ -71,7 +78,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--failures", action="store_true", help="also run the failure drills and print their costs")
+    parser.add_argument("--lost-node", metavar="SIZES", help="only the lost-node table, at these agent counts (2,8,16)")
+    parser.add_argument("--moments", default="0,1,2", help="with --lost-node: which moments (0 between checkpoints, "
+                                                           "1 during a write, 2 during an evaluation)")
+    parser.add_argument("--survivors", default="memory,restart",
+                        help="with --lost-node: memory (recover from memory), restart (from the checkpoint, as before)")
     args = parser.parse_args()
+    if args.lost_node:
+        lost_node_table([int(n) for n in args.lost_node.split(",")], [int(m) for m in args.moments.split(",")],
+                        [way == "memory" for way in args.survivors.split(",")])
+        return
     results: list[dict] = []
     if args.trials == 0:  # the failure table alone
         failure_table()
@@ -95,6 +111,28 @@ def main() -> None:
     print(f"  SIGTERM (platform) {term['recovery_s']:6.2f} s  steps lost {term['steps_lost']}")
     if args.failures:
         failure_table()
+
+
+def lost_node_table(sizes: list[int], moments: list[int], in_place: list[bool]) -> None:
+    """One node SIGKILLed at each size and moment, with each way of the survivors' (True: from memory)."""
+    import dataclasses
+
+    from training.devtools.drills import MOMENTS, lost_node_drill
+
+    rows = []
+    for size in sizes:
+        for moment in (MOMENTS[m] for m in moments):
+            for way in in_place:
+                row = lost_node_drill(Path(tempfile.mkdtemp(prefix=f"lost-{size}-")), size, moment, way)
+                rows.append(row)
+                print(json.dumps(dataclasses.asdict(row)), flush=True)
+    print(f"\n{'agents':>6} {'killed':<26} {'survivors':<22} {'steps again':>11} {'kill->step':>11} "
+          f"{'resumed from':>18} {'bytes read':>11} {'eval again':>10}")
+    for r in rows:
+        how = "recover from memory" if r.in_place else "restart (before)"
+        again = "-" if r.evaluation_again is None else ("once" if r.evaluation_again else "NO")
+        print(f"{r.agents:>6} {r.moment:<26} {how:<22} {r.steps_again:>11} {r.kill_to_step_s:>10}s "
+              f"{r.resumed_from:>18} {r.bytes_read:>11} {again:>10}")
 
 
 def failure_table() -> None:

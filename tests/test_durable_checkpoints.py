@@ -1,6 +1,12 @@
 """A checkpoint counts when it is on disk: ``checkpoint_saved`` says so, a kill never costs more
 than one interval, and a trainer that loses a peer mid-write finishes the write before it goes.
-Two real agents on a real etcd, with a file system made slow (each write sleeps before its rename)."""
+Two real agents on a real etcd, with a file system made slow (each write sleeps before its rename).
+
+These are the guarantees of the restart from a checkpoint after a lost peer, which NCCL workers
+take (docs/DESIGN.md, "Recovery from memory"): the agents run with PLATFORM_REGROUP_IN_PLACE=0,
+under which gloo workers take it too. With recovery from memory a kill costs no step at all
+(tests/test_lost_node.py).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from training.contract import REGROUP_IN_PLACE_ENV
 from training.loop.checkpoint import SLOW_WRITE_ENV
 from training.devtools.local_cluster import Agent, read_events, wait_until
 
 pytestmark = pytest.mark.timeout(400)
+RESTART_FROM_CHECKPOINT = {REGROUP_IN_PLACE_ENV: "0"}
 
 
 def trainer_args(work: Path, interval: int) -> list[str]:
@@ -51,7 +59,7 @@ def trained_steps(work: Path) -> int:
 def test_a_kill_of_rank_0s_node_mid_write_costs_at_most_one_interval(tmp_path, etcd_module):
     interval = 20
     args = trainer_args(tmp_path, interval)
-    slow = {SLOW_WRITE_ENV: "1.0"}
+    slow = {SLOW_WRITE_ENV: "1.0", **RESTART_FROM_CHECKPOINT}
     agents = [Agent(name, etcd_module, "durable-kill", tmp_path, args, env=slow) for name in "ab"]
     try:
         wait_until(lambda: len(events(tmp_path, "checkpoint_saved")) >= 2 and writing(tmp_path),
@@ -78,7 +86,8 @@ def test_a_kill_of_rank_0s_node_mid_write_costs_at_most_one_interval(tmp_path, e
 def test_a_trainer_that_loses_a_peer_mid_write_finishes_the_write_first(tmp_path, etcd_module):
     interval = 400  # a write (2 s) fits well inside an interval: rank 0 trains on while it writes
     args = trainer_args(tmp_path, interval)
-    agents = [Agent(name, etcd_module, "durable-peer", tmp_path, args, env={SLOW_WRITE_ENV: "2.0"}) for name in "ab"]
+    agents = [Agent(name, etcd_module, "durable-peer", tmp_path, args, env={SLOW_WRITE_ENV: "2.0", **RESTART_FROM_CHECKPOINT})
+              for name in "ab"]
     try:
         wait_until(lambda: events(tmp_path, "checkpoint_saved"), "the first checkpoint", 180, agents)
         first = events(tmp_path, "checkpoint_saved")[-1]["time"]

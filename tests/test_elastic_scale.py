@@ -57,15 +57,21 @@ def test_an_agent_started_while_etcd_is_down_waits_and_a_second_joins_it(tmp_pat
 
 
 def test_a_scale_up_keeps_the_survivors_workers_and_loses_no_step(tmp_path, etcd_module):
-    """Beyond torchrun: the running members' workers stay up through an admission. They checkpoint
-    at one step, leave their process group, and join the bigger round in place; only the
-    newcomer starts a worker."""
+    """Beyond torchrun: the running members' workers stay up through an admission. They stop at
+    one step, leave their process group, and join the bigger round in place; only the newcomer
+    starts a worker, and it receives the state from a survivor: nobody reads a checkpoint."""
     args = trainer_args(tmp_path, 400_000)
     agents = [Agent(name, etcd_module, "in-place", tmp_path, args, max_nodes=4) for name in "ab"]
     try:
         wait_until(lambda: len([e for e in events(tmp_path, "step") if e["world_size"] == 2]) >= 20,
                    "two nodes training", 120, agents)
         workers = {agent.name: agent.worker_pids() for agent in agents}
+        # Every checkpoint moved away: a member that read one would find none and start at step 0.
+        checkpoints = tmp_path / "checkpoints"
+        hidden = tmp_path / "hidden-checkpoints"
+        hidden.mkdir()
+        for path in checkpoints.glob("step-*.pt"):
+            path.rename(hidden / path.name)
         joined_at = time.time()
         agents.append(Agent("c", etcd_module, "in-place", tmp_path, args, max_nodes=4))
         wait_until(lambda: [e for e in events(tmp_path, "step") if e["world_size"] == 3], "three nodes training",
@@ -73,10 +79,13 @@ def test_a_scale_up_keeps_the_survivors_workers_and_loses_no_step(tmp_path, etcd
         assert {agent.name: agent.worker_pids() for agent in agents[:2]} == workers  # the same processes
         for agent in agents[:2]:
             assert "joined round 1 in place" in agent.output()
-        stop = [e for e in events(tmp_path, "checkpoint_started") if e["time"] > joined_at and e["reason"] == "regroup"]
+        last_of_two = max(e["step"] for e in events(tmp_path, "step") if e["world_size"] == 2)
         resume = [e for e in events(tmp_path, "resume") if e["time"] > joined_at]
-        assert stop and resume and resume[0]["step"] == stop[0]["step"]  # nothing trained is lost
+        assert resume and resume[0]["step"] >= last_of_two  # nothing trained is lost
+        assert resume[0]["checkpoint"] is None and resume[0]["bytes_read"] == 0 and resume[0]["bytes_from_peer"] > 0
         assert "regroup_s" in resume[0]
+        assert not [e for e in events(tmp_path, "checkpoint_started") if e["time"] > joined_at
+                    and e["step"] == resume[0]["step"]]  # no checkpoint written for the regroup
 
         # A crash restarts every worker; the next admission is in place again. (An agent that kept
         # counting its in-place rounds across that restart waited its whole stop budget for a pause

@@ -19,6 +19,7 @@ from training.config import load_train_config
 from training.data.datasets import build_dataset
 from training.device import detect
 from training.devtools.local_cluster import free_port
+from training.loop import evaluate
 from training.loop.evaluate import Evaluator
 from training.loop.metrics import MetricsWriter
 from training.loop.trainer import Trainer
@@ -182,3 +183,35 @@ def test_evaluating_changes_nothing_in_training(tmp_path, model):
         assert len(records(work, "eval")) == (1 if every == 0 else 2)
         weights[every] = torch.load(work / "checkpoints" / "step-000000004.pt", weights_only=True)["model"]
     assert all(torch.equal(weights[0][name], weights[2][name]) for name in weights[0])
+
+
+def test_a_sigterm_during_an_evaluation_stops_it_checkpoints_first_and_it_runs_again_on_resuming(tmp_path):
+    """Before, a stop waited for the evaluation: a long one outlasted the stop budget (SIGKILL, no
+    checkpoint). Now the evaluation yields within a few batches, the stop checkpoint is written at
+    its step, and the resumed job evaluates there with the figures of an uninterrupted run."""
+    extra = ["--eval.synthetic_samples=200", "--eval.batch_size=8"]  # 25 batches
+    Trainer(run_config(tmp_path / "straight", *extra)).run()
+    expected = [figures(e) for e in records(tmp_path / "straight", "eval")]
+    assert [e["step"] for e in expected] == [3, 6, 8]
+
+    config = run_config(tmp_path / "stopped", *extra)
+    trainer = Trainer(config)
+    evaluated = []
+    sums = trainer.evaluator._sums
+
+    def sums_then_sigterm(batch):
+        if trainer.progress.step == 6:
+            evaluated.append(batch)
+            if len(evaluated) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return sums(batch)
+
+    trainer.evaluator._sums = sums_then_sigterm
+    assert trainer.run().stopped_by_signal
+    assert len(evaluated) <= evaluate.YIELD_EVERY_BATCHES < 25  # it yielded, not finished
+    assert [e["step"] for e in records(tmp_path / "stopped", "eval")] == [3]
+    stop = torch.load(tmp_path / "stopped" / "checkpoints" / "step-000000006.pt", weights_only=True)
+    assert stop["progress"]["evaluated_step"] == 3  # the one at 6 is still owed
+
+    Trainer(config).run()
+    assert [figures(e) for e in records(tmp_path / "stopped", "eval")] == expected

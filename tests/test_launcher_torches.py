@@ -127,7 +127,7 @@ def test_a_worker_can_initialize_the_device_whatever_the_agent_did(tmp_path, etc
 
 
 def test_the_launcher_drill(tmp_path, etcd):
-    """Two agents; one SIGKILLed; a newcomer admitted with the survivor's workers regrouping in place;
+    """Two agents; one SIGKILLed, the survivor's workers keeping their state; a newcomer admitted with them regrouping in place;
     a SIGTERM to every agent that writes the stop checkpoint; a resume from it."""
     args = cpu_trainer_args(tmp_path, 400_000)
     run = f"drill-{os.getpid()}"
@@ -144,7 +144,11 @@ def test_the_launcher_drill(tmp_path, etcd):
         wait_until(lambda: [e for e in events(tmp_path, "step") if e["time"] > grew_at and e["world_size"] == 2],
                    "two nodes training again", 180, [agents[0], agents[2]])
         assert agents[0].worker_pids() == survivor  # the same process: joined the new round in place
-        assert "joined round 1 in place" in agents[0].output()
+        # The kill: the survivor kept its state (recovery from memory); the admission: regrouped in place.
+        recovered = next(e for e in events(tmp_path, "resume") if e["time"] > killed_at)
+        assert recovered["checkpoint"] is None and recovered["bytes_read"] == 0
+        assert "joined round 1 in place (no restart, recovery after a lost peer)" in agents[0].output()
+        assert "joined round 2 in place (no restart, regroup)" in agents[0].output()
 
         stopped_at = time.time()
         for agent in (agents[0], agents[2]):

@@ -120,14 +120,31 @@ AGENT_PID_ENV = "PLATFORM_AGENT_PID"  # the launcher's pid: a worker whose paren
 # the rendezvous counts a round's training time from there before it admits waiting nodes.
 PROGRESS_FILE_ENV = "PLATFORM_PROGRESS_FILE"
 # A folder of the agent's where it and its workers meet to change rounds in place: the agent sends
-# REGROUP_SIGNAL, each worker checkpoints, leaves its process group and writes paused-<local rank>;
-# the agent joins the next round and writes membership-<local rank>.json (training/launcher/agent.py).
+# REGROUP_SIGNAL, each worker stops at an agreed step, leaves its process group and writes
+# paused-<local rank>; the agent joins the next round and writes membership-<local rank>.json
+# (training/launcher/agent.py). A worker whose group broke under it (a collective failed: a peer
+# died) keeps its state, writes broken-<local rank> and pauses the same way; the agent hands it a place
+# in the round without the lost peer, or, when no peer was lost, a membership whose env is null, and
+# the worker then fails with its error as it would have.
 CONTROL_DIR_ENV = "PLATFORM_CONTROL_DIR"
+PAUSED_FILE = "paused"
+MEMBERSHIP_FILE = "membership"
+BROKEN_MARKER = "broken"
+# Written by a worker that can keep its state through a lost peer (recovers-<local rank>): its backend's
+# collectives fail when a peer dies and leave the weights as they were (gloo). An NCCL collective aborted
+# under a dead peer leaves its output undefined, and the update queued after it runs on that output
+# (torch 2.13 ProcessGroupNCCL.cpp, handleException): those workers restart from the checkpoint.
+RECOVERS_MARKER = "recovers"
 REGROUP_SIGNAL = 10  # SIGUSR1 on Linux
+# Sent by the agent to workers that recover (RECOVERS_MARKER) when the rendezvous reports a lost peer: a
+# worker blocked in a collective on a peer that died silently (no connection reset: power, partition)
+# shuts its connections from a thread, so the collective fails now instead of at distributed.timeout_s.
+LOST_PEER_SIGNAL = 12  # SIGUSR2 on Linux
 # Present in the control folder while a worker writes a checkpoint (writing-<local rank>): an agent
 # stopping workers that lost a peer waits for it to go before the SIGKILL.
 WRITING_MARKER = "writing"
-# "0": on an admission, stop and restart the workers as torchrun does, instead of regrouping in place.
+# "0": on an admission and after a lost peer, stop and restart the workers as torchrun does (they resume from
+# the newest checkpoint), instead of moving them to the next round with their state.
 REGROUP_IN_PLACE_ENV = "PLATFORM_REGROUP_IN_PLACE"
 # The JSON line each node's agent prints to its log when a rendezvous gives it its place: the
 # global ranks its workers hold. A pod's index in its job is not its rank once the job regrouped;

@@ -355,3 +355,97 @@ def scale_drill(work: Path, agents: int, spread_s: float = 0.0, steady_s: float 
                 agent.stop()
                 result.exit_codes[agent.name] = agent.proc.returncode
     return result
+
+
+@dataclass
+class LostNodeResult:
+    """What losing one node cost a job of ``agents`` (:func:`lost_node_drill`)."""
+
+    agents: int
+    moment: str  # "between checkpoints", "during a checkpoint write" or "during an evaluation"
+    in_place: bool  # the agents regroup in place (False: PLATFORM_REGROUP_IN_PLACE=0, torchrun's restarts)
+    kill_to_step_s: float | None = None  # SIGKILL -> the first step of the smaller world
+    steps_again: int | None = None  # steps rank 0 had finished at the kill that the job trained again
+    resumed_from: str | None = None  # "memory" (a survivor's state) or the checkpoint file read
+    bytes_read: int | None = None  # read from the checkpoint folder to resume
+    evaluation_again: bool | None = None  # during an evaluation: it ran again at the same step
+    write_landed: bool | None = None  # during a checkpoint write (rank 0's, which survives): it landed
+    exit_codes: dict[str, int] = field(default_factory=dict)
+
+
+MOMENTS = ("between checkpoints", "during a checkpoint write", "during an evaluation")
+EVAL_EVERY = 60  # steps, for the kill during an evaluation
+SLOW_WRITE_S = "3"  # seconds each checkpoint write lasts, for the kill during one
+
+
+def lost_node_drill(work: Path, agents: int, moment: str = MOMENTS[0], in_place: bool = True,
+                    samples: int = 2_000_000, timeout_s: float = 600) -> LostNodeResult:
+    """``agents`` nodes train together; one (not rank 0's) is SIGKILLed at ``moment``. Measured: the
+    time to the smaller world's first step, the steps trained again, and where the job resumed from."""
+    from training.contract import PLATFORM_TUNING, REGROUP_IN_PLACE_ENV
+    from training.loop.checkpoint import SLOW_WRITE_ENV
+
+    work.mkdir(parents=True, exist_ok=True)
+    result = LostNodeResult(agents, moment, in_place)
+    args = [*trainer_args(work, samples), "--train.log_every_steps=1"]
+    env = {} if in_place else {REGROUP_IN_PLACE_ENV: "0"}
+    if moment == MOMENTS[1]:
+        env[SLOW_WRITE_ENV] = SLOW_WRITE_S
+    if moment == MOMENTS[2]:
+        # An evaluation of a few seconds every EVAL_EVERY steps (the drills' default has none).
+        args = [a for a in args if a != "--eval.enabled=false"]
+        args += [f"--eval.every_steps={EVAL_EVERY}", "--eval.synthetic_samples=200000", "--eval.batch_size=512"]
+    running: list[Agent] = []
+    with LocalEtcd() as endpoint:
+        try:
+            for index in range(agents):
+                running.append(Agent(f"n{index:02d}", endpoint, "lost-node", work, args, min_nodes=1, max_nodes=agents,
+                                     max_restarts=100, tuning=PLATFORM_TUNING, env=env))
+            wait_until(lambda: len([e for e in events(work, "step") if e["world_size"] == agents]) >= 30,
+                       f"a world of {agents} training", timeout_s, running, poll=0.2)
+            wait_until(lambda: _kill_moment(work, moment), moment, timeout_s, running, poll=0.02)
+            writing = [e["step"] for e in events(work, "checkpoint_started")][-1:]
+            # Not rank 0's node: it writes the checkpoints (and reports; its log has the step lines).
+            victim = next(a for a in reversed(running) if '"event": "step"' not in a.output())
+            killed = victim.kill_node()
+            trained = max(e["step"] for e in events(work, "step") if e["time"] <= killed)
+            step = wait_until(lambda: _steps_at(work, killed, agents - 1), "the smaller world's first step",
+                              timeout_s, running, poll=0.02)[0]
+            result.kill_to_step_s = round(step["time"] - killed, 2)
+            resume = next(e for e in events(work, "resume") if e["time"] > killed)
+            result.steps_again = max(0, trained - resume["step"])
+            result.resumed_from = "memory" if resume.get("checkpoint") is None else Path(resume["checkpoint"]).name
+            result.bytes_read = resume.get("bytes_read")
+            if moment == MOMENTS[1]:
+                result.write_landed = bool(wait_until(
+                    lambda: [e for e in events(work, "checkpoint_saved") if e["step"] == writing[0]],
+                    "the write in flight at the kill", timeout_s, running, poll=0.2))
+            if moment == MOMENTS[2]:  # the evaluation the kill interrupted runs once, at its step
+                due = trained - trained % EVAL_EVERY
+                wait_until(lambda: [e for e in events(work, "eval") if e["step"] == due], "the evaluation again",
+                           timeout_s, running, poll=0.2)
+                at_due = [e for e in events(work, "eval") if e["step"] == due]
+                result.evaluation_again = len(at_due) == 1 and at_due[0]["time"] > resume["time"]
+        finally:
+            for agent in running:
+                agent.stop()
+                result.exit_codes[agent.name] = agent.proc.returncode
+    return result
+
+
+def _kill_moment(work: Path, moment: str) -> bool:
+    """Is it ``moment`` in the job now (judged from its metrics)?"""
+    found = events(work)
+    if moment == MOMENTS[1]:
+        started = [e["step"] for e in found if e["event"] == "checkpoint_started"]
+        saved = {e["step"] for e in found if e["event"] == "checkpoint_saved"}
+        return bool(started) and started[-1] not in saved and started[-1] > 0
+    steps = [e for e in found if e["event"] == "step"]
+    if not steps:
+        return False
+    last = steps[-1]
+    if moment == MOMENTS[2]:
+        # The step report comes just before the evaluation at that step; it runs for seconds.
+        return last["step"] % EVAL_EVERY == 0 and time.time() - last["time"] > 0.3
+    # Halfway between two checkpoints.
+    return last["step"] % INTERVAL == INTERVAL // 2

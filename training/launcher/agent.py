@@ -18,11 +18,15 @@ would be killed mid-write. So this agent:
   once a checkpoint being written is on disk;
 - on an admission (every member alive), keeps the workers and moves them to the new round in
   place (:meth:`PlatformAgent._regroup`), which torchrun cannot: they pay a process-group start,
-  not a restart.
+  not a restart;
+- after a lost peer, also keeps the workers (:meth:`PlatformAgent._recover`): their collectives
+  failed, they hold their state in memory and wait; the round re-forms without the peer and the
+  survivor furthest along hands its state to the others. No step is trained again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -38,8 +42,8 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from training.launcher import compat
 from training.contract import (
-    CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, FINAL_EXITS, NODE_RANKS_EVENT, REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL,
-    WRITING_MARKER,
+    BROKEN_MARKER, CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, FINAL_EXITS, MEMBERSHIP_FILE, NODE_RANKS_EVENT,
+    LOST_PEER_SIGNAL, PAUSED_FILE, RECOVERS_MARKER, REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL, WRITING_MARKER,
 )
 
 log = logging.getLogger("training.launcher")
@@ -48,6 +52,15 @@ log = logging.getLogger("training.launcher")
 LOST_PEER_STOP_S = 0.5
 # torchrun's default between SIGTERM and SIGKILL, when the command names no --shutdown-timeout.
 DEFAULT_STOP_BUDGET_S = 30
+# Seconds a worker whose collective failed waits before this agent decides no peer was lost and the
+# failure was the job's own: a dead peer's lease ends within 1.5 s of its last renewal and the
+# rendezvous is checked every CHECK_S (training/launcher/rendezvous.py); the rest is a margin.
+LOST_PEER_GRACE_S = 5.0
+# Seconds the workers get to pause after a lost peer before they are restarted as torch would. A gloo
+# collective fails when the peer's sockets close; one that waits on a live peer that already left the
+# group can wait out its timeout instead (seen at 8 ranks: one in ten runs, 60 s). A restarted worker
+# holds no state and receives it from a survivor that paused, so the bound costs time, not steps.
+LOST_PEER_PAUSE_S = 5.0
 
 
 @dataclass
@@ -93,6 +106,7 @@ class PlatformAgent(LocalElasticAgent):
         self._control_dir = Path(control) if control else None
         self._generation = 0
         self._in_place = self._control_dir is not None and os.environ.get(REGROUP_IN_PLACE_ENV, "1") != "0"
+        self._broken_since: float | None = None  # when a worker first said its group broke (see _refuse)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         """torch's rendezvous, then one JSON line saying which global ranks this node now holds
@@ -112,7 +126,9 @@ class PlatformAgent(LocalElasticAgent):
             # files) is stale. A generation carried over made the next regroup wait its whole stop
             # budget for a pause numbered one the new workers never reach, then restart them.
             self._generation = 0
-            for pattern in (f"{WRITING_MARKER}-*", "paused-*", "membership-*"):
+            self._broken_since = None
+            for pattern in (f"{WRITING_MARKER}-*", f"{PAUSED_FILE}-*", f"{MEMBERSHIP_FILE}-*", f"{BROKEN_MARKER}-*",
+                            f"{RECOVERS_MARKER}-*"):
                 for stale in self._control_dir.glob(pattern):
                     stale.unlink(missing_ok=True)
         return super()._start_workers(worker_group)
@@ -167,27 +183,52 @@ class PlatformAgent(LocalElasticAgent):
             time.sleep(0.05)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        """torch stops the workers and starts new ones for every new round. When every member is
-        alive (waiting nodes are admitted), this node's workers instead stay up and join the new
-        round in place; anything else (a lost peer, a failed worker) restarts them as torch does."""
+        """torch stops the workers and starts new ones for every new round. With an agent that
+        regroups in place, this node's workers instead stay up and join the new round: when every
+        member is alive (waiting nodes are admitted) and after a lost peer. A failed worker
+        restarts them as torch does."""
         graceful = getattr(worker_group.spec.rdzv_handler, "stop_gracefully", False)
-        if self._in_place and graceful and not self._workers_failed and self._regroup(worker_group):
+        if self._in_place and not self._workers_failed and (
+                self._regroup(worker_group) if graceful else self._recover(worker_group)):
             return
         super()._restart_workers(worker_group)
 
     def _regroup(self, worker_group: WorkerGroup) -> bool:
-        """Ask the workers to checkpoint and leave their group, join the next round, hand them their
-        places. False (and nothing joined) when a worker did not pause within the stop budget."""
+        """Ask the workers to stop at one step and leave their group, join the next round, hand them
+        their places. False (and nothing joined) when a worker did not pause within the stop budget."""
+        for pid in self._pcontext.pids().values():
+            os.kill(pid, REGROUP_SIGNAL)
+        return self._move_paused_workers(worker_group, "regroup", self._stop_budget_s)
+
+    def _recover(self, worker_group: WorkerGroup) -> bool:
+        """A peer is gone: this node's workers fail their next collective (gloo at once, NCCL when
+        the watchdog aborts it), keep their state and pause (training/loop/trainer.py, ``train``).
+        Join the round without the peer and hand them their places; they take the state of the
+        survivor furthest along. False when they cannot (their backend, see RECOVERS_MARKER) or did
+        not pause within LOST_PEER_PAUSE_S: they then restart as torch does."""
+        pids = self._pcontext.pids()
+        if not all((self._control_dir / f"{RECOVERS_MARKER}-{local_rank}").exists() for local_rank in pids):
+            return False
+        for pid in pids.values():  # a worker blocked on a peer that died silently fails its collective now
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, LOST_PEER_SIGNAL)
+        return self._move_paused_workers(worker_group, "recovery after a lost peer", LOST_PEER_PAUSE_S)
+
+    def _move_paused_workers(self, worker_group: WorkerGroup, why: str, wait_s: float) -> bool:
         pids = self._pcontext.pids()
         generation = self._generation + 1
-        for pid in pids.values():
-            os.kill(pid, REGROUP_SIGNAL)
-        deadline = time.monotonic() + self._stop_budget_s
-        while not all(self._paused(local_rank, generation) for local_rank in pids):
-            if self._pcontext.wait(0) is not None or time.monotonic() > deadline:
-                log.warning("the workers did not pause for a regroup; restarting them instead")
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self._pcontext.wait(0) is not None:  # a worker exited: it is not waiting for a place
+                log.warning("a worker exited instead of pausing for a %s; restarting them", why)
+                return False
+            if all(self._paused(local_rank, generation) for local_rank in pids):
+                break
+            if time.monotonic() > deadline:
+                log.warning("the workers did not pause for a %s; restarting them instead", why)
                 return False
             time.sleep(0.02)
+        self._broken_since = None
         self._rendezvous(worker_group)
         spec = worker_group.spec
         for worker in worker_group.workers:
@@ -200,23 +241,54 @@ class PlatformAgent(LocalElasticAgent):
                 "MASTER_PORT": str(worker_group.master_port),
                 "TORCHELASTIC_RESTART_COUNT": str(spec.max_restarts - self._remaining_restarts),
             }
-            target = self._control_dir / f"membership-{worker.local_rank}.json"
-            partial = target.with_name(target.name + ".partial")
-            partial.write_text(json.dumps({"generation": generation, "env": env}))
-            partial.replace(target)
+            self._hand_membership(worker.local_rank, generation, env)
         self._generation = generation
         worker_group.state = WorkerState.HEALTHY
-        log.info("the workers joined round %d in place (no restart)", generation)
+        log.info("the workers joined round %d in place (no restart, %s)", generation, why)
         return True
+
+    def _hand_membership(self, local_rank: int, generation: int, env: dict[str, str] | None) -> None:
+        target = self._control_dir / f"{MEMBERSHIP_FILE}-{local_rank}.json"
+        partial = target.with_name(target.name + ".partial")
+        partial.write_text(json.dumps({"generation": generation, "env": env}))
+        partial.replace(target)
 
     def _paused(self, local_rank: int, generation: int) -> bool:
         try:
-            return (self._control_dir / f"paused-{local_rank}").read_text() == str(generation)
+            return (self._control_dir / f"{PAUSED_FILE}-{local_rank}").read_text() == str(generation)
         except OSError:
             return False
 
+    def _refuse_unexplained_breaks(self) -> None:
+        """A worker whose collective failed waits for the round without the lost peer. When no peer
+        was lost (the rendezvous reports none within LOST_PEER_GRACE_S), the failure was the job's
+        own: the worker is told so (a membership without env) and fails with its error, and the
+        workers restart as after any failure."""
+        if not self._in_place or self._control_dir is None:
+            return
+        broken = list(self._control_dir.glob(f"{BROKEN_MARKER}-*"))
+        if not broken:
+            self._broken_since = None
+            return
+        now = time.monotonic()
+        if self._broken_since is None:
+            self._broken_since = now
+        if now - self._broken_since < LOST_PEER_GRACE_S:
+            return
+        for marker in broken:
+            with contextlib.suppress(OSError, ValueError):
+                generation, reason = marker.read_text().split(" ", 1)
+                local_rank = int(marker.name.rsplit("-", 1)[1])
+                log.warning("worker %d: %s, and no peer was lost; it fails with that error", local_rank, reason)
+                # Not paused any more: a lost peer reported right after this must not move it (it is exiting).
+                (self._control_dir / f"{PAUSED_FILE}-{local_rank}").unlink(missing_ok=True)
+                self._hand_membership(local_rank, int(generation), None)
+        self._broken_since = None
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.HEALTHY:
+            self._refuse_unexplained_breaks()
         if result.state == WorkerState.SUCCEEDED:
             # The job is done: close the rendezvous now, before this agent leaves it, so a pod that
             # arrives late exits at once instead of starting a round of its own.

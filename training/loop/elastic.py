@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from training.contract import (  # IMDS_ENDPOINT_ENV and SPOT_NOTICE_ENV: the names callers use, as elastic.NAME
-    CONTROL_DIR_ENV, IMDS_ENDPOINT_ENV, REGROUP_SIGNAL, SPOT_NOTICE_ENV as SPOT_NOTICE_ENV,
+    BROKEN_MARKER, CONTROL_DIR_ENV, IMDS_ENDPOINT_ENV, LOST_PEER_SIGNAL, MEMBERSHIP_FILE, PAUSED_FILE, RECOVERS_MARKER,
+    REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL, SPOT_NOTICE_ENV as SPOT_NOTICE_ENV,
 )
 
 log = logging.getLogger(__name__)
@@ -134,24 +135,145 @@ class StopRequest:
         self.training = False
 
 
-def await_membership(local_rank: int, generation: int, stop: StopRequest) -> dict[str, str]:
+# Backends whose collectives fail under a dead peer and leave this rank's tensors as they were (see
+# RECOVERS_MARKER in training/contract.py).
+RECOVERING_BACKENDS = ("gloo",)
+
+
+def regroups_in_place() -> bool:
+    """Whether this worker's agent moves it between rounds in place (training/launcher/agent.py)."""
+    return bool(os.environ.get(CONTROL_DIR_ENV)) and os.environ.get(REGROUP_IN_PLACE_ENV, "1") != "0"
+
+
+def recovers_from_lost_peers(backend: str) -> bool:
+    """Whether this worker keeps its state through a lost peer, and tells its agent so (it then
+    waits for the worker to pause instead of restarting it)."""
+    if not regroups_in_place() or backend not in RECOVERING_BACKENDS:
+        return False
+    # The handler itself does nothing: the signal's number reaches the watcher thread through the
+    # wake-up pipe (see _watch), which runs while the main thread is blocked in a collective.
+    signal.signal(LOST_PEER_SIGNAL, lambda _signum, _frame: None)
+    global _shut_on_lost_peer
+    _shut_on_lost_peer = True
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    (Path(os.environ[CONTROL_DIR_ENV]) / f"{RECOVERS_MARKER}-{local_rank}").touch()
+    return True
+
+
+def await_membership(local_rank: int, generation: int, stop: StopRequest,
+                     broken: BaseException | None = None) -> dict[str, str] | None:
     """Between rounds, in a worker that regroups: tell the agent this worker has left the old
-    group, then wait for its place in the next round (the environment torchrun would start a
-    worker with). A stop signal meanwhile (the agent gave up regrouping) ends the process."""
+    group (``broken``: because a collective failed under it), then wait for its place in the next
+    round (the environment torchrun would start a worker with). None: the agent found no lost peer
+    to re-form without, so the failure was this job's own. A stop signal meanwhile (the agent gave
+    up regrouping) ends the process."""
     import json
 
     directory = Path(os.environ[CONTROL_DIR_ENV])
-    _write_atomically(directory / f"paused-{local_rank}", str(generation))
-    wanted = directory / f"membership-{local_rank}.json"
-    while not stop.requested:
-        try:
-            found = json.loads(wanted.read_text())
-        except (OSError, ValueError):
-            found = None
-        if found and found["generation"] >= generation:
-            return found["env"]
-        time.sleep(0.02)
+    marker = directory / f"{BROKEN_MARKER}-{local_rank}"
+    if broken is not None:
+        _write_atomically(marker, f"{generation} {type(broken).__name__}: {first_line(broken)[:300]}")
+    _write_atomically(directory / f"{PAUSED_FILE}-{local_rank}", str(generation))
+    wanted = directory / f"{MEMBERSHIP_FILE}-{local_rank}.json"
+    try:
+        while not stop.requested:
+            try:
+                found = json.loads(wanted.read_text())
+            except (OSError, ValueError):
+                found = None
+            if found and found["generation"] >= generation:
+                return found["env"]
+            time.sleep(0.02)
+    finally:
+        marker.unlink(missing_ok=True)
     raise SystemExit(128 + signal.Signals[stop.signal_name or "SIGTERM"].value)
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [""])[0]
+
+
+def leave_process_group(broken: bool = False) -> None:
+    """Drop this round's process group, also when a peer is dead: abort, where torch has it for
+    the backend, returns at once and never waits on the dead peer (torch 2.13
+    torch/distributed/distributed_c10d.py ``_abort_process_group``; ``destroy_process_group`` shuts
+    backends down, which NCCL may block in, pytorch issue 119797).
+
+    ``broken``: a collective failed under this worker. Its peers may be blocked in the same step,
+    waiting for data that passes through ranks that already gave up: gloo exchanges with a few
+    peers per step, so only the dead peer's neighbours fail at once, and the rest wait out their
+    timeout (5 of 7 survivors at 8 ranks, for minutes). gloo has no abort (``Backend::abort`` is
+    empty; torch 2.13 torch/csrc/distributed/c10d/Backend.hpp), and the group's C++ objects outlive
+    Python's references, so its connections stay open. They are shut here instead: each peer that
+    waits on this worker then fails at once, and does the same, and the failure crosses the whole
+    group in a fraction of a second (benchmarks/elastic_recovery.py --lost-node).
+    """
+    if broken:
+        shut_tcp_connections()
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    try:
+        if abort is None:
+            raise RuntimeError("no _abort_process_group in this torch")
+        abort()
+    except RuntimeError as exc:
+        log.debug("abort failed (%s); destroying the process group", exc)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# /proc/net/tcp's state of a listening socket. A listener is left alone: gloo's ends the process when
+# its accept fails (gloo/transport/tcp/listener.cc, "accept: Invalid argument").
+_TCP_LISTEN = "0A"
+
+
+def shut_tcp_connections() -> int:
+    """Shut down (both ways) every established TCP connection this process holds; how many.
+
+    The worker's connections are its process group's (gloo's pairs, the round's store client):
+    all of the round that just broke. The descriptors stay open for their owners, which see the
+    connection end; each is checked to still be the socket listed (a descriptor closed and
+    reused meanwhile is left alone).
+    """
+    import socket
+
+    sockets: dict[int, int] = {}  # inode -> descriptor
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            sockets[int(target[8:-1])] = int(name)
+    shut = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            descriptor = sockets.get(int(fields[9]))
+            if descriptor is None or fields[3] == _TCP_LISTEN:
+                continue
+            try:
+                copy = os.dup(descriptor)
+            except OSError:
+                continue  # closed by its owner meanwhile
+            try:
+                if os.fstat(copy).st_ino == int(fields[9]):
+                    connection = socket.socket(fileno=copy)
+                    try:
+                        connection.shutdown(socket.SHUT_RDWR)
+                        shut += 1
+                    finally:
+                        connection.detach()  # the copy is closed below, once
+            except OSError:
+                pass  # not connected any more
+            finally:
+                os.close(copy)
+    return shut
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -168,6 +290,7 @@ def _tell_the_terminal(line: str) -> None:
 
 _current_request: StopRequest | None = None
 _watcher_pipe: tuple[int, int] | None = None
+_shut_on_lost_peer = False  # this worker recovers from lost peers (recovers_from_lost_peers)
 
 
 def _start_watcher() -> None:
@@ -184,6 +307,10 @@ def _watch(read_end: int) -> None:
         received = os.read(read_end, 64)
         if not received:
             return
+        if LOST_PEER_SIGNAL in received and _shut_on_lost_peer:
+            # The main thread may be blocked in a collective on the dead peer: end it now.
+            log.warning("the agent reports a lost peer: shut %d connection(s) of this round",
+                        shut_tcp_connections())
         stops = [number for number in received if number in StopRequest.STOP_SIGNALS]
         request = _current_request
         if stops and request is not None and not request.training:
@@ -449,6 +576,7 @@ class SpotNotice:
         self._acted = True
 
     def _watch(self, interval_s: float) -> None:
+        import http.client
         import json
         import urllib.error
         import urllib.request
@@ -467,6 +595,8 @@ class SpotNotice:
             except urllib.error.HTTPError as exc:
                 if exc.code != 404:
                     log.debug("instance metadata answered %s", exc.code)
-            except (OSError, ValueError):
-                pass  # no metadata service (off EC2) or a transient error: try again
+            except (OSError, ValueError, http.client.HTTPException):
+                # No metadata service (off EC2) or a transient error (a request cut by
+                # shut_tcp_connections after a lost peer, say): try again.
+                pass
             time.sleep(interval_s)

@@ -8,7 +8,8 @@ filled by one rank (a sum with zeros, exact), so every world size ends with the 
 sums it the same way: the same numbers as one process gets on the same hardware, to the last bit.
 
 Evaluation is a pure function of the weights (rank 0's, which are the ones a checkpoint holds):
-it keeps no state of its own. The trainer records only the step it last evaluated at
+it keeps no state of its own, so it can yield to a stop (``yield_to``) and run again after the
+resume, at the same step, with the same figures. The trainer records only the step it last evaluated at
 (``Progress.evaluated_step``), so that a job stopped at a step before its evaluation there
 makes it up when it resumes, and one resumed after it does not repeat it.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,9 @@ from training.device import Runtime
 from training.loop.metrics import MetricsWriter
 
 log = logging.getLogger(__name__)
+# An evaluation asks its ``yield_to`` every this many batches (a tiny all-reduce with several ranks):
+# a stop signal waits for at most that many batches, not for the whole validation set.
+YIELD_EVERY_BATCHES = 4
 
 # The columns of a batch's sums: sequences or images; images or masked tokens (what accuracy
 # and loss are averaged over); summed loss; right at the top; within the top five; unreadable.
@@ -107,9 +111,15 @@ class Evaluator:
         """Is step ``step`` one to evaluate at: a multiple of eval.every_steps, or the run's last?"""
         return step > 0 and (at_end or (self.every_steps > 0 and step % self.every_steps == 0))
 
-    def evaluate(self, step: int, epoch: int, metrics: MetricsWriter) -> dict[str, Any]:
+    def evaluate(self, step: int, epoch: int, metrics: MetricsWriter,
+                 yield_to: Callable[[], bool] | None = None) -> dict[str, Any] | None:
         """Evaluate the current weights on every rank (a collective: all ranks call it at the same
-        step), report the figures as an ``eval`` event, and return them."""
+        step), report the figures as an ``eval`` event, and return them.
+
+        ``yield_to``, asked every YIELD_EVERY_BATCHES batches at the same batches on every rank (it
+        may be a collective: every rank asks as often, a rank out of batches too): True abandons
+        the evaluation (None is returned, nothing reported). A long evaluation then never holds up
+        a stop checkpoint; the evaluation runs again once the job resumes at this step."""
         started = time.perf_counter()
         distributed = dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
@@ -126,7 +136,10 @@ class Evaluator:
             # a validation one when a resumed job evaluates first), and inference tensors can be
             # neither saved for backward nor changed in place outside inference_mode.
             with torch.no_grad():
-                self._fill(table, batches)
+                rounds = -(-table.shape[0] // world)  # the most batches a rank has
+                if not self._fill(table, batches, rounds, yield_to):
+                    log.warning("the evaluation at step %d yielded to a stop; it runs again on resuming", step)
+                    return None
         finally:
             self.module.train(was_training)
         if distributed:
@@ -146,22 +159,17 @@ class Evaluator:
         for buffer in self.module.buffers():
             dist.broadcast(buffer, src=0)
 
-    def _fill(self, table: Tensor, batches: list) -> None:
-        if not batches:
-            return
-        data = self.config.data
-        loader = DataLoader(
-            Keyed(self.dataset), batch_sampler=[keys for _, keys in batches], num_workers=data.num_workers,
-            prefetch_factor=data.prefetch_factor if data.num_workers else None, collate_fn=collate,
-            # Its own generator: each iterator draws its workers' base seed from the loader's
-            # generator, by default the global one (torch/utils/data/dataloader.py, torch 2.13.0,
-            # _BaseDataLoaderIter), which training's dropout draws from: evaluating must not change it.
-            generator=torch.Generator().manual_seed(0),
-        )
-        feed = DeviceFeed(loader, self.runtime, self.channels_last, pin=self.runtime.kind == "cuda",
-                          attention_mask=attention_mask if self.masked_lm else None)
+    def _fill(self, table: Tensor, batches: list, rounds: int, yield_to: Callable[[], bool] | None) -> bool:
+        """This rank's batches into ``table``; False when ``yield_to`` said to stop first. It is asked
+        as often on every rank, a rank with fewer batches (or none) too: it may be a collective."""
+        feed = self._feed(batches) if batches else None
         try:
-            for number, _ in batches:
+            for turn in range(rounds):
+                if turn and turn % YIELD_EVERY_BATCHES == 0 and yield_to is not None and yield_to():
+                    return False
+                if turn >= len(batches):
+                    continue
+                number = batches[turn][0]
                 batch = feed.take()
                 # The precision training runs in: train.precision resolved for this device (auto: bf16, or fp16).
                 with self.runtime.autocast(self.runtime.precision(self.config.train.precision)):
@@ -172,7 +180,22 @@ class Evaluator:
                     table[number, SKIPPED] = skipped
                 feed.ahead()  # the next batch, while this one's work runs on the device
         finally:
-            feed.close()
+            if feed is not None:
+                feed.close()
+        return True
+
+    def _feed(self, batches: list) -> DeviceFeed:
+        data = self.config.data
+        loader = DataLoader(
+            Keyed(self.dataset), batch_sampler=[keys for _, keys in batches], num_workers=data.num_workers,
+            prefetch_factor=data.prefetch_factor if data.num_workers else None, collate_fn=collate,
+            # Its own generator: each iterator draws its workers' base seed from the loader's
+            # generator, by default the global one (torch/utils/data/dataloader.py, torch 2.13.0,
+            # _BaseDataLoaderIter), which training's dropout draws from: evaluating must not change it.
+            generator=torch.Generator().manual_seed(0),
+        )
+        return DeviceFeed(loader, self.runtime, self.channels_last, pin=self.runtime.kind == "cuda",
+                          attention_mask=attention_mask if self.masked_lm else None)
 
     def _sums(self, batch: DeviceBatch) -> Tensor:
         valid = batch.weight > 0

@@ -89,6 +89,7 @@ class MetricsWriter:
                 self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+            self._tensorboard = None
 
 
 def stdout_is_for_people(choice: str) -> bool:

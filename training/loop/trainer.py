@@ -48,6 +48,9 @@ from training.models import build_model
 from training.data.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
 
 log = logging.getLogger(__name__)
+# Fault injection for tests: "<step>:<path>" raises a RuntimeError of the worker's own at that step, once
+# (the file at <path> records that it did), as a bug of the job would.
+RAISE_AT_STEP_ENV = "TRAINING_FAULT_RAISE_AT_STEP"
 
 
 class Diverged(Exception):
@@ -81,6 +84,19 @@ class Trainer:
         self._writing_marker = Path(control) / f"{WRITING_MARKER}-{self.membership.local_rank}" if control else None
         self.generation = 0  # rounds this process joined in place (regroups)
         self.regrouping = False  # the ranks agreed to stop for a regroup, not for good
+        # Whether this process holds trained state (it resumed or started): a regroup's newcomers
+        # do not, and receive it from the survivor furthest along (see _resume_from_peer).
+        self.holds_state = False
+        self.progress = Progress()
+        self.flops_per_sample: float | None = None  # counted once per run, kept in the checkpoints
+        self.attempt = ""  # this round's id, agreed at its start
+        self.first_step = 0  # the step this round started at
+        # The last round this process joined, (attempt, first step): where the state in memory was
+        # trained, closed in the history when a peer takes the state over.
+        self._segment = ("", 0)
+        self.refused = False  # the agent found no lost peer after a failed collective: fail as it was
+        self.recovers = False  # keeps its state through a lost peer (set once the group is joined)
+        self._buffers_before: tuple[int, list[Tensor]] = (-1, [])  # see _step
 
         # The model, its optimizer and the data outlive a regroup: only the world changes.
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
@@ -103,6 +119,7 @@ class Trainer:
             )
         self.evaluator = Evaluator.build(config, self.runtime, self.module, self.dataset, self.channels_last)
         self._join_world()
+        self.recovers = self.distributed and elastic.recovers_from_lost_peers(self.runtime.backend)
 
     def _join_world(self) -> None:
         """Everything that depends on this round's ranks: the process group, the resume, the wrapped
@@ -119,17 +136,26 @@ class Trainer:
         self.distributed = dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
+        previous_metrics = getattr(self, "metrics", None)
         self.metrics = MetricsWriter(self.rank == 0, config.metrics.jsonl_path, config.metrics.tensorboard_dir,
                                      progress=stdout_is_for_people(config.metrics.stdout))
         checkpoint = config.checkpoint
-        self.checkpoints = CheckpointManager(checkpoint.dir, checkpoint.keep_last, checkpoint.async_save,
-                                             checkpoint.staging_dir)
-        # Rank 0 decides when to save (the others never need to know the newest step on disk).
-        self.checkpointer = Checkpointer(self.checkpoints, SavePolicy(checkpoint.interval_steps, checkpoint.async_save),
-                                         self.metrics, self.stop_budget_s, self._writing_marker)
-        self.progress = Progress()
+        if self.generation == 0:
+            self.checkpoints = CheckpointManager(checkpoint.dir, checkpoint.keep_last, checkpoint.async_save,
+                                                 checkpoint.staging_dir)
+            # Rank 0 decides when to save (the others never need to know the newest step on disk).
+            self.checkpointer = Checkpointer(self.checkpoints, SavePolicy(checkpoint.interval_steps,
+                                                                          checkpoint.async_save),
+                                             self.metrics, self.stop_budget_s, self._writing_marker)
+        else:
+            # The same writer across rounds in this process: a write still in flight when a peer died
+            # lands, is announced and is waited for at the end like any other.
+            self.checkpointer.metrics = self.metrics
+            self.checkpointer.policy.asked_for = -1  # a save asked for in the old round was never agreed
+        if previous_metrics is not None:
+            # Closed only now: a write in flight when a peer died announces itself through it meanwhile.
+            previous_metrics.close()
         self.resumed_from: int | None = None
-        self.flops_per_sample: float | None = None  # counted once per run, kept in the checkpoints
         self._saved_step: int | None = None
         self._bad_pending = 0  # samples skipped on this rank since the last count across ranks
         self._nonfinite: Tensor | None = None  # single process: a non-finite loss seen since the last check
@@ -140,9 +166,13 @@ class Trainer:
         self.attempt = self._agree_on_attempt_id()
         self.rank_zero_io = RankZeroIO.for_group(f"checkpoint-io/{self.attempt}", checkpoint.min_throughput_mb_s,
                                                  self.runtime.collective_device)
-        resume_event = self._resume()
-        self.checkpointer.policy.durable_step = self.progress.step
+        resume_event = self._resume_from_peer()
+        if resume_event is None:
+            resume_event = self._resume()
+            self.checkpointer.policy.durable_step = self.progress.step
+        self.holds_state = True
         self.first_step = self.progress.step
+        self._segment = (self.attempt, self.first_step)
 
         self.model: nn.Module = self.module
         if self.distributed:
@@ -156,22 +186,64 @@ class Trainer:
         self.sample_log = self._open_sample_log()
         self._resume_event = resume_event
 
-    def regroup(self) -> None:
-        """Join the next round without a new process: the agent asked (REGROUP_SIGNAL), every rank
-        stopped at one step and checkpointed. Leave the group, wait for this worker's place in
-        the new round, and join it: the model, optimizer and data stay built, so a scale-up costs
-        this worker a process-group start and a resume from the checkpoint just written."""
+    def rejoin(self, broken: BaseException | None = None) -> None:
+        """Join the next round without a new process, keeping the model, optimizer and data.
+
+        Either the agent asked (REGROUP_SIGNAL: nodes are admitted) and every rank stopped at one
+        step, or ``broken``: a collective failed under this worker because a peer died. Leave the
+        group, wait for this worker's place in the new round, join it, and take the state of the
+        survivor furthest along (:meth:`_resume_from_peer`): a lost peer costs no step. When the
+        agent finds no lost peer, the failure was the job's own, and ``broken`` is raised.
+        """
         started = time.perf_counter()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        elastic.leave_process_group(broken=broken is not None)
         self.model = self.module  # the old DDP wrapper holds the old group
+        if broken is not None:
+            # Gradients of the step that failed: never applied, never to be added to.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.undo_failed_forward()
+            if self.sample_log:
+                self.sample_log.close()
         self.generation += 1
-        os.environ.update(elastic.await_membership(self.membership.local_rank, self.generation, self.stop))
+        try:
+            env = elastic.await_membership(self.membership.local_rank, self.generation, self.stop, broken)
+        except SystemExit:
+            self._save_alone()
+            raise
+        if env is None:
+            self.refused = True
+            raise broken
+        os.environ.update(env)
         self.membership = elastic.Membership.from_environment()
         self.stop.reset()
         self.regrouping = False
         self._join_world()
         self._resume_event["regroup_s"] = round(time.perf_counter() - started, 3)
+
+    def undo_failed_forward(self) -> None:
+        """The buffers (BatchNorm's running statistics) as they were before a step that did not complete."""
+        step, buffers = self._buffers_before
+        if step == self.progress.step:
+            with torch.no_grad():
+                for buffer, before in zip(self.module.buffers(), buffers, strict=True):
+                    buffer.copy_(before)
+
+    def _save_alone(self) -> None:
+        """A stop while paused between rounds: nothing was checkpointed for the regroup (the state
+        goes to the next round from memory), so the last round's rank 0 writes what it holds, alone
+        (its peers are stopping too; the other ranks' generators are not gathered, see _resume)."""
+        steps = self.checkpoints.steps()
+        if self.rank != 0 or not self.holds_state or (steps and steps[-1] >= self.progress.step):
+            return
+        self.checkpointer.write(self.progress.step, self._state_dict([rng_state()]), "stop", synchronous=True)
+
+    def recoverable(self, error: BaseException) -> bool:
+        """Whether ``error`` is a collective that failed under a worker whose state is whole: one of
+        torch's distributed errors (RuntimeError, as gloo raises them; torch 2.13
+        torch/distributed/__init__.py DistError), in a worker that recovers (:attr:`recovers`), with
+        no stop asked for. The job's own errors (data, checkpoint, divergence) are not RuntimeErrors."""
+        return (self.recovers and isinstance(error, RuntimeError) and not isinstance(error, torch.OutOfMemoryError)
+                and self.holds_state and not self.stop.requested and not self.refused)
 
     # --- setup -----------------------------------------------------------------------------
 
@@ -229,6 +301,52 @@ class Trainer:
                 "load_s": round(time.perf_counter() - started, 3), "bytes_read": summary["bytes_read"],
                 "skipped_unreadable": summary["unreadable"], "written_by_world_size": state.world_size,
                 "written_with_global_batch": state.global_batch}
+
+    def _resume_from_peer(self) -> dict[str, Any] | None:
+        """After a regroup or a lost peer: go on from the state of the survivor furthest along, sent
+        from its memory over the new group; nobody reads the checkpoint folder. None when no member
+        holds trained state (every worker is new): then the newest checkpoint is read (:meth:`_resume`).
+
+        A step that was in flight when a peer died completed on all survivors or on some: DDP
+        averages the gradients before any rank updates, so a rank that stepped had every rank's
+        gradients of that step, the dead peer's included. The survivors differ by at most that one
+        step, and everyone takes the state of the first rank that holds the newest: completed
+        steps are never trained again, and the step in flight counts once (its samples were logged
+        by every rank before its all-reduce, see :meth:`_step`).
+        """
+        if not self.distributed:
+            return None
+        held = [int(step) for step in all_gather_objects(self.progress.step if self.holds_state else -1,
+                                                         self.runtime.collective_device)]
+        newest = max(held)
+        if newest < 0:
+            return None
+        started = time.perf_counter()
+        source = held.index(newest)
+        state = None
+        if self.rank == source:
+            state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "scaler": self.scaler.state_dict(),
+                     "progress": self.progress.closing(*self._segment).state_dict(),
+                     "flops_per_sample": self.flops_per_sample}
+        sent = tensor_bytes(state) if state is not None else 0
+        state = broadcast_state(state, self.runtime.collective_device, src=source)
+        if self.rank != source:
+            self.module.load_state_dict(state["model"])
+            load_optimizer_state(self.optimizer, state["optimizer"], self.module)
+            if self.scaler.is_enabled() and state["scaler"]:
+                self.scaler.load_state_dict(state["scaler"])
+            self.flops_per_sample = state["flops_per_sample"]
+        self.progress = Progress.from_state_dict(state["progress"])
+        if not self.holds_state:  # a newcomer: generators of its own, as a rank new to a checkpoint gets
+            seed_all(self.config.train.seed * 1009 + newest * 31 + self.rank)
+        if self.rank == 0 and not self.checkpoints.in_flight:
+            steps = self.checkpoints.steps()  # a listing, no read: the interval runs from the newest on disk
+            self.checkpointer.policy.durable_step = steps[-1] if steps else 0
+        self.resumed_from = newest
+        return {"checkpoint": None, "from_rank": source, "steps_held": held, "bytes_read": 0,
+                "bytes_from_peer": sent if self.rank == source else tensor_bytes(state),
+                "load_s": round(time.perf_counter() - started, 3)}
 
     def _agree_on_attempt_id(self) -> str:
         attempt = [uuid.uuid4().hex[:12]]
@@ -314,6 +432,7 @@ class Trainer:
         """The loop body: a step, the ranks' agreement on it, then report, stop or checkpoint as agreed."""
         # The epoch's last global batch is short, padded with weight-0 samples: only real ones count.
         real = self.plan.real_samples(self.progress.offset)
+        _injected_fault(self.progress.step)
         loss, data_wait, step_time = self._step(feed)
         run.window.add(loss, data_wait, real)
         run.samples += real
@@ -324,9 +443,12 @@ class Trainer:
         if self.progress.step % self.config.train.log_every_steps == 0 or self._last_step():
             run.last_loss = self._report(run.window, run.flops_per_sample)
         if not (stop_now or notice):  # a stop or a spot notice saves first, within its budget
-            self._evaluate(run)
+            stop_now = self._evaluate(run, yielding=True)
         if stop_now:
-            self._save(synchronous=True, reason="regroup" if self.regrouping else "stop")
+            if self.regrouping:  # the state goes to the new round from memory (rejoin): no checkpoint
+                self._count_bad_samples()  # what _save would have counted, all ranks at this step
+            else:
+                self._save(synchronous=True, reason="stop")
             run.stopped = True
             return
         if notice:
@@ -339,21 +461,35 @@ class Trainer:
         if run.paced_gc and self.progress.step % self.config.train.gc_every_steps == 0:
             gc.collect(1)
 
-    def _evaluate(self, run: "_Run") -> None:
+    def _evaluate(self, run: "_Run", yielding: bool = False) -> bool:
         """Validate at this step if eval.every_steps or the run's end asks and it was not done yet
-        (training/loop/evaluate.py); its time is left out of the report window's."""
+        (training/loop/evaluate.py); its time is left out of the report window's.
+
+        ``yielding``: the evaluation gives way to a stop or a regroup asked for meanwhile, which
+        every rank agrees on as it goes: True then, and the caller stops at this step (the
+        evaluation, not done, runs again when the job resumes here)."""
         at_end = self._last_step() or self.progress.epoch >= self.config.train.epochs
         if (self.evaluator is None or self.progress.evaluated_step == self.progress.step
                 or not self.evaluator.due(self.progress.step, at_end)):
-            return
+            return False
         started = time.perf_counter()
-        figures = self.evaluator.evaluate(self.progress.step, self.progress.epoch, self.metrics)
-        run.last_eval = {"step": self.progress.step, "epoch": self.progress.epoch, **figures}
-        self.progress.evaluated_step = self.progress.step
+        figures = self.evaluator.evaluate(self.progress.step, self.progress.epoch, self.metrics,
+                                          self._asked_to_stop if yielding else None)
         spent = time.perf_counter() - started
         run.eval_s += spent
         if run.window is not None:
             run.window.started += spent
+        if figures is None:
+            return True
+        run.last_eval = {"step": self.progress.step, "epoch": self.progress.epoch, **figures}
+        self.progress.evaluated_step = self.progress.step
+        return False
+
+    def _asked_to_stop(self) -> bool:
+        """During an evaluation: has any rank been asked to stop or regroup? (All ranks ask together.)"""
+        stop, regroup = elastic.any_rank(self.stop.requested, self.stop.regroup, device=self.runtime.collective_device)
+        self.regrouping = regroup and not stop
+        return stop or regroup
 
     def _after_step(self, run: "_Run", step_time: float) -> None:
         """Tell the agent this round trains (its first step), shorten the collectives' timeout once
@@ -481,6 +617,10 @@ class Trainer:
     def _step(self, feed: DeviceFeed) -> tuple[Tensor, float, float]:
         cfg = self.config
         started = time.perf_counter()
+        if self.recovers:
+            # A step that fails (a peer died in its all-reduce) has run its forward passes, which
+            # update BatchNorm's running statistics; undone on the way to the next round.
+            self._buffers_before = (self.progress.step, [b.clone() for b in self.module.buffers()])
         if cfg.train.max_steps:
             total_steps, done = cfg.train.max_steps, self.progress.step / cfg.train.max_steps
         else:
@@ -505,9 +645,13 @@ class Trainer:
             batch = batches[micro] if batches else feed.take()
             if any(batch.problems):
                 skipped += self._skip(batch.index, batch.problems)
+            final = micro == self.layout.accumulation - 1
             if self.sample_log:
                 ids += batch.index[batch.host_weight > 0].tolist()
-            final = micro == self.layout.accumulation - 1
+                if final:
+                    # Before the step's all-reduce: a rank that dies in it has logged what it
+                    # contributed, and the step counts (or not) by the survivors' progress alone.
+                    self._log_samples(ids, skipped)
             no_sync = self.model.no_sync() if self.distributed and not final else contextlib.nullcontext()
             with no_sync:
                 with self.runtime.autocast(self.precision):
@@ -523,19 +667,20 @@ class Trainer:
             nn.utils.clip_grad_norm_(self.module.parameters(), cfg.optim.grad_clip_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        # Counted at once: between the update and here nothing can fail, so a rank's progress is
+        # always the steps its weights hold (a peer that takes over after a failure relies on it).
+        self.progress.step += 1
+        self.progress.offset += self.global_batch
         self.optimizer.zero_grad(set_to_none=True)
         feed.ahead()  # the next step's first batch, while this one's work runs on the device
         data_wait, feed.data_wait_s = feed.data_wait_s, 0.0
         self.runtime.mark_step()
-        if self.sample_log:
-            extra = f', "skipped": {skipped}' if skipped else ""
-            self.sample_log.write(
-                f'{{"attempt": "{self.attempt}", "step": {self.progress.step}, "epoch": {self.progress.epoch}, '
-                f'"ids": {ids}{extra}}}\n'
-            )
-        self.progress.step += 1
-        self.progress.offset += self.global_batch
         return loss_sum, data_wait, time.perf_counter() - started
+
+    def _log_samples(self, ids: list[int], skipped: list[int]) -> None:
+        extra = f', "skipped": {skipped}' if skipped else ""
+        self.sample_log.write(f'{{"attempt": "{self.attempt}", "step": {self.progress.step}, '
+                              f'"epoch": {self.progress.epoch}, "ids": {ids}{extra}}}\n')
 
     def _skip(self, index: Tensor, problems: list[str]) -> list[int]:
         """Samples that could not be read: named in the log, counted, trained as weight-0 padding."""
@@ -628,16 +773,7 @@ class Trainer:
             states = [rng]
 
         def write() -> None:
-            progress = self.progress
-            state = TrainState(
-                signature=signature(self.config), model=self.module.state_dict(), optimizer=self.optimizer.state_dict(),
-                scaler=self.scaler.state_dict(), progress=progress.closing(self.attempt, self.first_step), rng=states,
-                flops_per_sample=self.flops_per_sample, flops_counted_for=flops_key(self.config),
-                world_size=self.world_size, global_batch=self.global_batch,
-                schedule={"name": self.config.optim.schedule, "base_lr": self.config.optim.lr,
-                          "lr_scale": self.lr_scale, "lr": self.optimizer.param_groups[0]["lr"]},
-            ).state_dict()
-            self.checkpointer.write(progress.step, state, reason, synchronous)
+            self.checkpointer.write(self.progress.step, self._state_dict(states), reason, synchronous)
 
         if synchronous or not self.checkpoints.async_save:
             # Nobody goes on (or exits) before the checkpoint is on disk, and the others wait for
@@ -646,9 +782,29 @@ class Trainer:
         elif self.rank == 0:
             write()
 
+    def _state_dict(self, rng_states: list[dict[str, Any]]) -> dict[str, Any]:
+        """What a checkpoint of this moment holds (``rng_states``: the ranks' generators, in rank order)."""
+        return TrainState(
+            signature=signature(self.config), model=self.module.state_dict(), optimizer=self.optimizer.state_dict(),
+            scaler=self.scaler.state_dict(), progress=self.progress.closing(self.attempt, self.first_step),
+            rng=rng_states, flops_per_sample=self.flops_per_sample, flops_counted_for=flops_key(self.config),
+            world_size=self.world_size, global_batch=self.global_batch,
+            schedule={"name": self.config.optim.schedule, "base_lr": self.config.optim.lr,
+                      "lr_scale": self.lr_scale, "lr": self.optimizer.param_groups[0]["lr"]},
+        ).state_dict()
+
     def finish_writing(self) -> None:
         """A trainer on its way out (an error, a lost peer) waits, within its stop budget, for its write."""
         self.checkpointer.finish_writing()
+
+
+def _injected_fault(step: int) -> None:
+    fault = os.environ.get(RAISE_AT_STEP_ENV)
+    if fault:
+        at, done = fault.split(":", 1)
+        if step >= int(at) and not Path(done).exists():
+            Path(done).touch()
+            raise RuntimeError(f"injected fault at step {step} ({RAISE_AT_STEP_ENV})")
 
 
 @dataclass
@@ -693,19 +849,34 @@ class _Window:
 
 
 def train(config: TrainConfig) -> TrainResult:
-    """Run (or resume) training to the end, or until a stop signal; exits 75 when a peer stopped."""
+    """Run (or resume) training to the end, or until a stop signal; exits 75 when a peer stopped.
+
+    Under an agent that regroups in place, the worker lives through rounds: an admission
+    (``regrouping``) and a lost peer (a collective failed: ``recoverable``) both move it to the next
+    round with its state (:meth:`Trainer.rejoin`)."""
     trainer = Trainer(config)
+    broken: BaseException | None = None
+    regroup = False
     while True:
         try:
+            if regroup:
+                trainer.rejoin(broken)
             result = trainer.run()
-        except BaseException:
-            # The process ends: a group whose peer is gone is not torn down (gloo's teardown then
-            # waits on the dead peer for seconds, and the agent on it before it can re-form).
-            trainer.finish_writing()
-            raise
+        except BaseException as error:
+            if not trainer.recoverable(error):
+                # The process ends: a group whose peer is gone is not torn down (gloo's teardown then
+                # waits on the dead peer for seconds, and the agent on it before it can re-form).
+                trainer.finish_writing()
+                raise
+            log.warning("a collective failed at step %d (%s); keeping this worker's state for the round "
+                        "without the lost peer", trainer.progress.step, elastic.first_line(error)[:200])
+            # Its frames would keep the failed step's tensors (and the old group's objects) alive.
+            error.__traceback__ = None
+            broken, regroup = error, True  # also when it failed while joining the next round
+            continue
         if not (result.stopped_by_signal and trainer.regrouping):
             break
-        trainer.regroup()
+        broken, regroup = None, True
     if dist.is_initialized():
         dist.destroy_process_group()
     if result.stopped_by_signal and not trainer.stop.requested:
