@@ -90,9 +90,10 @@ def test_a_peer_that_stops_answering_without_closing_its_connections_costs_no_st
 
 
 def test_a_workers_own_error_is_not_taken_for_a_lost_peer(tmp_path, etcd_module):
-    """A RuntimeError of the job's own (not a dead peer) also breaks the collectives; with no lost
-    peer to re-form without, the agents tell their workers so, and they fail with their errors and
-    restart as after any failure (from the newest checkpoint)."""
+    """A RuntimeError of the job's own (not a dead peer) also breaks the collectives. With no lost peer
+    to re-form without, its agent tells the worker so, and it fails with its error and restarts, as
+    after any failure. (The other node's worker either is told the same, or, once the failed
+    worker's restart has started a new round, keeps its state and hands it to the restarted one.)"""
     args = trainer_args(tmp_path, 400_000)
     fault = {RAISE_AT_STEP_ENV: f"60:{tmp_path}/fault-raised"}
     agents = [Agent("a", etcd_module, "own-error", tmp_path, args, max_nodes=2),
@@ -102,16 +103,15 @@ def test_a_workers_own_error_is_not_taken_for_a_lost_peer(tmp_path, etcd_module)
         raised_at = time.time()
         wait_until(lambda: [e for e in events(tmp_path, "step") if e["time"] > raised_at and e["world_size"] == 2],
                    "training again", 180, agents)
-        outputs = {agent.name: agent.output() for agent in agents}
+        faulty = agents[1].output()
     finally:
         for agent in agents:
             agent.stop()
-    assert "injected fault at step 60" in outputs["b"]
-    for output in outputs.values():
-        assert "and no peer was lost; it fails with that error" in output
-        assert "joined round 1 in place" not in output  # restarted, not moved with a state
+    assert "injected fault at step 60" in faulty
+    assert "and no peer was lost; it fails with that error" in faulty
+    assert "joined round 1 in place" not in faulty  # restarted, not moved with a state
     resume = next(e for e in events(tmp_path, "resume") if e["time"] > raised_at)
-    assert resume["checkpoint"] is not None  # the newest checkpoint, as after any failure
+    assert resume["step"] >= 50  # nothing before the newest checkpoint is trained again
 
 
 def test_a_step_that_fails_leaves_batchnorm_statistics_as_they_were(tmp_path):

@@ -94,6 +94,7 @@ class Trainer:
         # The last round this process joined, (attempt, first step): where the state in memory was
         # trained, closed in the history when a peer takes the state over.
         self._segment = ("", 0)
+        self._reported = False  # this process was rank 0 (the one that reports) in the last round it joined
         self.refused = False  # the agent found no lost peer after a failed collective: fail as it was
         self.recovers = False  # keeps its state through a lost peer (set once the group is joined)
         self._buffers_before: tuple[int, list[Tensor]] = (-1, [])  # see _step
@@ -173,6 +174,7 @@ class Trainer:
         self.holds_state = True
         self.first_step = self.progress.step
         self._segment = (self.attempt, self.first_step)
+        self._reported = self.rank == 0
 
         self.model: nn.Module = self.module
         if self.distributed:
@@ -316,8 +318,12 @@ class Trainer:
         """
         if not self.distributed:
             return None
-        held = [int(step) for step in all_gather_objects(self.progress.step if self.holds_state else -1,
-                                                         self.runtime.collective_device)]
+        # What each member holds: its step (-1: nothing), the step it last evaluated at, its FLOPs count,
+        # and whether it reported the last round (its rank 0: evaluations are reported there).
+        mine = (self.progress.step, self.progress.evaluated_step, self.flops_per_sample, self._reported) \
+            if self.holds_state else (-1, -1, None, False)
+        members = all_gather_objects(mine, self.runtime.collective_device)
+        held = [int(step) for step, _, _, _ in members]
         newest = max(held)
         if newest < 0:
             return None
@@ -325,10 +331,14 @@ class Trainer:
         source = held.index(newest)
         state = None
         if self.rank == source:
+            progress = self.progress.closing(*self._segment)
+            # Whether the newest step was evaluated is the reporter's word: an evaluation whose
+            # all-reduce finished there was reported, and must not be reported twice.
+            progress.evaluated_step = next((evaluated for step, evaluated, _, reported in members
+                                            if reported and step == newest), progress.evaluated_step)
             state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "scaler": self.scaler.state_dict(),
-                     "progress": self.progress.closing(*self._segment).state_dict(),
-                     "flops_per_sample": self.flops_per_sample}
+                     "scaler": self.scaler.state_dict(), "progress": progress.state_dict(),
+                     "flops_per_sample": next((flops for _, _, flops, _ in members if flops is not None), None)}
         sent = tensor_bytes(state) if state is not None else 0
         state = broadcast_state(state, self.runtime.collective_device, src=source)
         if self.rank != source:
@@ -336,7 +346,7 @@ class Trainer:
             load_optimizer_state(self.optimizer, state["optimizer"], self.module)
             if self.scaler.is_enabled() and state["scaler"]:
                 self.scaler.load_state_dict(state["scaler"])
-            self.flops_per_sample = state["flops_per_sample"]
+        self.flops_per_sample = state["flops_per_sample"]
         self.progress = Progress.from_state_dict(state["progress"])
         if not self.holds_state:  # a newcomer: generators of its own, as a rank new to a checkpoint gets
             seed_all(self.config.train.seed * 1009 + newest * 31 + self.rank)
