@@ -56,10 +56,10 @@ DEFAULT_STOP_BUDGET_S = 30
 # failure was the job's own: a dead peer's lease ends within 1.5 s of its last renewal and the
 # rendezvous is checked every CHECK_S (training/launcher/rendezvous.py); the rest is a margin.
 LOST_PEER_GRACE_S = 5.0
-# Seconds the workers get to pause after a lost peer before they are restarted as torch would. A gloo
-# collective fails when the peer's sockets close; one that waits on a live peer that already left the
-# group can wait out its timeout instead (seen at 8 ranks: one in ten runs, 60 s). A restarted worker
-# holds no state and receives it from a survivor that paused, so the bound costs time, not steps.
+# Seconds the workers get to pause after a lost peer before they are restarted as torch would: a bound
+# for a step, or a collective, that outlasts it (the workers shut their connections, so a collective on
+# the old group fails within a fraction of a second: training/loop/elastic.py, shut_tcp_connections). A
+# restarted worker holds no state and receives it from a survivor that paused: the bound costs time.
 LOST_PEER_PAUSE_S = 5.0
 
 
@@ -106,7 +106,7 @@ class PlatformAgent(LocalElasticAgent):
         self._control_dir = Path(control) if control else None
         self._generation = 0
         self._in_place = self._control_dir is not None and os.environ.get(REGROUP_IN_PLACE_ENV, "1") != "0"
-        self._broken_since: float | None = None  # when a worker first said its group broke (see _refuse)
+        self._broken_since: float | None = None  # when a worker first said its group broke (see _refuse_unexplained_breaks)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         """torch's rendezvous, then one JSON line saying which global ranks this node now holds
@@ -201,8 +201,8 @@ class PlatformAgent(LocalElasticAgent):
         return self._move_paused_workers(worker_group, "regroup", self._stop_budget_s)
 
     def _recover(self, worker_group: WorkerGroup) -> bool:
-        """A peer is gone: this node's workers fail their next collective (gloo at once, NCCL when
-        the watchdog aborts it), keep their state and pause (training/loop/trainer.py, ``train``).
+        """A peer is gone: this node's workers fail their next collective (gloo; LOST_PEER_SIGNAL makes
+        one blocked on a silent peer fail now), keep their state and pause (training/loop/trainer.py, ``train``).
         Join the round without the peer and hand them their places; they take the state of the
         survivor furthest along. False when they cannot (their backend, see RECOVERS_MARKER) or did
         not pause within LOST_PEER_PAUSE_S: they then restart as torch does."""
