@@ -212,15 +212,15 @@ def leave_process_group(broken: bool = False) -> None:
         shut_tcp_connections()
     if not dist.is_initialized():
         return
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    try:
-        if abort is None:
-            raise RuntimeError("no _abort_process_group in this torch")
-        abort()
-    except RuntimeError as exc:
-        log.debug("abort failed (%s); destroying the process group", exc)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # in 2.8, 2.13 and 2.14.1
+    if abort is not None:
+        try:
+            abort()
+            return
+        except RuntimeError as exc:
+            log.debug("abort failed (%s); destroying the process group", exc)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # /proc/net/tcp's state of a listening socket. A listener is left alone: gloo's ends the process when

@@ -245,7 +245,7 @@ class Trainer:
         torch/distributed/__init__.py DistError), in a worker that recovers (:attr:`recovers`), with
         no stop asked for. The job's own errors (data, checkpoint, divergence) are not RuntimeErrors."""
         return (self.recovers and isinstance(error, RuntimeError) and not isinstance(error, torch.OutOfMemoryError)
-                and self.holds_state and not self.stop.requested and not self.refused)
+                and not self.stop.requested and not self.refused)
 
     # --- setup -----------------------------------------------------------------------------
 
