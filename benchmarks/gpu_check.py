@@ -13,6 +13,11 @@ Each case runs the real command as a subprocess and passes only on what it obser
 - ``own program``: a job's own FSDP2 + DCP program (tests/programs/fsdp_dcp.py, NCCL) through the
   launcher copied as the init container copies it, run as a script (``LAUNCHER_ENTRY``); its
   checkpoint lands in ``$PLATFORM_CHECKPOINT_DIR``;
+- ``lost node``: three agents on the one GPU (NCCL over its socket transport, each node an
+  ``NCCL_HOSTID`` of its own), one SIGKILLed between two checkpoints: the survivors go on from
+  memory, no step trained again, every sample once to the end of the epoch
+  (training/loop/lost_peer.py); on a GPU also the same with ``PLATFORM_REGROUP_IN_PLACE=0``, the
+  restart from the checkpoint it replaces;
 - ``rates``: the trainer through the launcher, a bare DDP loop under torchrun (NCCL, world 1) and a
   bare loop without a process group, all on the same GPU, eager and compiled: samples/s by wall clock
   between synchronized points (the trainer's step events follow a device sync), and the ratios.
@@ -45,6 +50,7 @@ from training.contract import (
     slurm_launch_command,
 )
 from training.devtools import local_cluster
+from training.devtools.drills import GLOBAL_BATCH, lost_node_drill
 from training.devtools.local_cluster import LocalEtcd, free_port, read_events
 
 REPO = Path(__file__).resolve().parent.parent
@@ -207,6 +213,29 @@ def own_program(report: Report, endpoint: str, device: str, work: Path) -> None:
                     f"exit {code}, checkpoints {written}" + ("" if ok else f": {tail(output)}"), str(log)))
 
 
+LOST_NODE_STEPS = 150  # the drill's epoch: the kill comes after step 37, the end well after the recovery
+
+
+def lost_node(report: Report, device: str, work: Path) -> None:
+    """A node SIGKILLed between two checkpoints, NCCL on a GPU (gloo on a CPU): from memory, and on a
+    GPU the restart from the checkpoint it replaces."""
+    for in_place in (True, False) if device == "cuda" else (True,):
+        started = time.monotonic()
+        name = f"lost node, {'from memory' if in_place else 'restart (PLATFORM_REGROUP_IN_PLACE=0)'}"
+        try:
+            result = lost_node_drill(work / ("memory" if in_place else "restart"), 3, in_place=in_place,
+                                     samples=LOST_NODE_STEPS * GLOBAL_BATCH, timeout_s=300, device=device,
+                                     until_finished=True, extra_args=("--distributed.nccl_recovery=true",))
+        except (TimeoutError, RuntimeError, AssertionError) as exc:
+            report.add(Case(name, False, time.monotonic() - started, f"{type(exc).__name__}: {str(exc)[:300]}"))
+            continue
+        ok = bool(result.every_sample_once) and (
+            not in_place or (result.steps_again == 0 and result.resumed_from == "memory"))
+        detail = (f"3 -> 2 nodes: next step {result.kill_to_step_s} s after the SIGKILL, {result.steps_again} steps "
+                  f"trained again, resumed from {result.resumed_from}, every sample once: {result.every_sample_once}")
+        report.add(Case(name, ok, time.monotonic() - started, detail, str(work)))
+
+
 def bare_rate(sizes: Sizes, device: str, compiled: bool, ddp: bool, work: Path, name: str) -> tuple[float | None, str]:
     """A bare loop in a process of its own: under torchrun (world 1) with DDP, or alone."""
     spec = {"sizes": asdict(sizes), "device": device, "compiled": compiled, "ddp": ddp,
@@ -295,6 +324,7 @@ def main() -> int:
     print(json.dumps(report.environment), flush=True)
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=args.out))
     measured = sizes.warmup + sizes.steps
+    lost_node(report, device, scratch / "lost-node")  # first: the newest path, and a quick one
     with LocalEtcd() as endpoint:
         for mode in ("eager", "compiled") if sizes.compiled else ("eager",):
             work = scratch / f"pod-{mode}"

@@ -20,7 +20,8 @@ def test_every_case_of_the_gpu_check_runs_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert [c["name"] for c in report["cases"]] == [
-        "pod command, eager", "Batch command", "Slurm command", "stop (SIGTERM)", "resume from the stop checkpoint",
+        "lost node, from memory", "pod command, eager", "Batch command", "Slurm command", "stop (SIGTERM)",
+        "resume from the stop checkpoint",
         "own program (FSDP2 + DCP)", "bare DDP loop under torchrun, eager", "bare loop, eager"]
     assert all(c["ok"] for c in report["cases"])
     assert all(report["rates"][key] > 0 for key in ("launcher_eager", "ddp_eager", "bare_eager"))

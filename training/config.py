@@ -154,6 +154,10 @@ class DistributedSection(StrictModel):
     startup_timeout_s: int = Field(900, gt=0)
     timeout_s: int = Field(120, gt=0)
     warmup_steps: int = Field(20, ge=0)
+    # NCCL workers keep their state through a lost peer, as gloo workers do (training/loop/lost_peer.py).
+    # Off until the GPU acceptance check's lost-node case passes (benchmarks/gpu_check.py): on an H100
+    # the first try fell back to the restart from the checkpoint. Off: NCCL workers restart from it.
+    nccl_recovery: bool = False
 
 
 class MetricsSection(StrictModel):

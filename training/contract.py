@@ -130,15 +130,15 @@ CONTROL_DIR_ENV = "PLATFORM_CONTROL_DIR"
 PAUSED_FILE = "paused"
 MEMBERSHIP_FILE = "membership"
 BROKEN_MARKER = "broken"
-# Written by a worker that can keep its state through a lost peer (recovers-<local rank>): its backend's
-# collectives fail when a peer dies and leave the weights as they were (gloo). An NCCL collective aborted
-# under a dead peer leaves its output undefined, and the update queued after it runs on that output
-# (torch 2.13 ProcessGroupNCCL.cpp, handleException): those workers restart from the checkpoint.
+# Written by a worker that can keep its state through a lost peer (recovers-<local rank>): gloo, or NCCL
+# with distributed.nccl_recovery; its updates skippable on the device once the group breaks
+# (training/loop/lost_peer.py: a fused optimizer, no fp16 scaler). Other workers restart from the checkpoint.
 RECOVERS_MARKER = "recovers"
 REGROUP_SIGNAL = 10  # SIGUSR1 on Linux
 # Sent by the agent to workers that recover (RECOVERS_MARKER) when the rendezvous reports a lost peer: a
 # worker blocked in a collective on a peer that died silently (no connection reset: power, partition)
-# shuts its connections from a thread, so the collective fails now instead of at distributed.timeout_s.
+# breaks its group from a thread (gloo: shuts its connections; NCCL: aborts the communicators), so the
+# collective ends now instead of at distributed.timeout_s.
 LOST_PEER_SIGNAL = 12  # SIGUSR2 on Linux
 # Present in the control folder while a worker writes a checkpoint (writing-<local rank>): an agent
 # stopping workers that lost a peer waits for it to go before the SIGKILL.

@@ -370,6 +370,7 @@ class LostNodeResult:
     bytes_read: int | None = None  # read from the checkpoint folder to resume
     evaluation_again: bool | None = None  # during an evaluation: it ran again at the same step
     write_landed: bool | None = None  # during a checkpoint write (rank 0's, which survives): it landed
+    every_sample_once: bool | None = None  # until_finished: the counted steps trained each sample once
     exit_codes: dict[str, int] = field(default_factory=dict)
 
 
@@ -379,16 +380,30 @@ SLOW_WRITE_S = "3"  # seconds each checkpoint write lasts, for the kill during o
 
 
 def lost_node_drill(work: Path, agents: int, moment: str = MOMENTS[0], in_place: bool = True,
-                    samples: int = 2_000_000, timeout_s: float = 600) -> LostNodeResult:
+                    samples: int = 2_000_000, timeout_s: float = 600, device: str | None = None,
+                    until_finished: bool = False, extra_args: tuple[str, ...] = ()) -> LostNodeResult:
     """``agents`` nodes train together; one (not rank 0's) is SIGKILLed at ``moment``. Measured: the
-    time to the smaller world's first step, the steps trained again, and where the job resumed from."""
+    time to the smaller world's first step, the steps trained again, and where the job resumed from.
+
+    ``device="cuda"``: every node trains on the one GPU with NCCL. Each gets an NCCL_HOSTID of its own,
+    so NCCL takes them for separate hosts (NCCL's "Duplicate GPU" check compares host hashes, which
+    NCCL_HOSTID sets: nccl v2.27.7 src/misc/utils.cc, src/init.cc) and joins them with its socket
+    transport over loopback, as nodes are joined by the network.
+
+    ``until_finished``: the survivors then train the epoch of ``samples`` to its end, and the drill
+    checks that the counted steps trained every sample once."""
     from training.contract import PLATFORM_TUNING, REGROUP_IN_PLACE_ENV
     from training.loop.checkpoint import SLOW_WRITE_ENV
 
     work.mkdir(parents=True, exist_ok=True)
     result = LostNodeResult(agents, moment, in_place)
     args = [*trainer_args(work, samples), "--train.log_every_steps=1"]
+    if device:
+        args.append(f"--train.device={device}")
+    args += extra_args
     env = {} if in_place else {REGROUP_IN_PLACE_ENV: "0"}
+    if device == "cuda":
+        env.update(NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1")
     if moment == MOMENTS[1]:
         env[SLOW_WRITE_ENV] = SLOW_WRITE_S
     if moment == MOMENTS[2]:
@@ -399,8 +414,9 @@ def lost_node_drill(work: Path, agents: int, moment: str = MOMENTS[0], in_place:
     with LocalEtcd() as endpoint:
         try:
             for index in range(agents):
+                node_env = {**env, "NCCL_HOSTID": f"lost-node-drill-{index}"} if device == "cuda" else env
                 running.append(Agent(f"n{index:02d}", endpoint, "lost-node", work, args, min_nodes=1, max_nodes=agents,
-                                     max_restarts=100, tuning=PLATFORM_TUNING, env=env))
+                                     max_restarts=100, tuning=PLATFORM_TUNING, env=node_env))
             wait_until(lambda: len([e for e in events(work, "step") if e["world_size"] == agents]) >= 30,
                        f"a world of {agents} training", timeout_s, running, poll=0.2)
             wait_until(lambda: _kill_moment(work, moment), moment, timeout_s, running, poll=0.02)
@@ -426,6 +442,9 @@ def lost_node_drill(work: Path, agents: int, moment: str = MOMENTS[0], in_place:
                            timeout_s, running, poll=0.2)
                 at_due = [e for e in events(work, "eval") if e["step"] == due]
                 result.evaluation_again = len(at_due) == 1 and at_due[0]["time"] > resume["time"]
+            if until_finished:
+                wait_until(lambda: events(work, "finished"), "the end of the epoch", timeout_s, running, poll=0.2)
+                result.every_sample_once = every_sample_once(work, samples)
         finally:
             for agent in running:
                 agent.stop()
@@ -447,5 +466,5 @@ def _kill_moment(work: Path, moment: str) -> bool:
     if moment == MOMENTS[2]:
         # The step report comes just before the evaluation at that step; it runs for seconds.
         return last["step"] % EVAL_EVERY == 0 and time.time() - last["time"] > 0.3
-    # Halfway between two checkpoints.
-    return last["step"] % INTERVAL == INTERVAL // 2
+    # Halfway between two checkpoints, or a little later: a fast job's steps outrun the polling.
+    return INTERVAL // 2 <= last["step"] % INTERVAL < INTERVAL - 4

@@ -216,7 +216,7 @@ class Agent:
                                      tuning=tuning)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait/kill
         self.proc = subprocess.Popen([*command, *trainer_args], env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=cwd or Path(__file__).resolve().parent.parent)
+                                     start_new_session=True, cwd=cwd or Path(__file__).resolve().parents[2])
 
     def kill_node(self) -> float:
         """SIGKILL the agent's whole process group, as a node or pod dies; returns the time of the kill."""

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -135,9 +135,18 @@ class StopRequest:
         self.training = False
 
 
-# Backends whose collectives fail under a dead peer and leave this rank's tensors as they were (see
-# RECOVERS_MARKER in training/contract.py).
-RECOVERING_BACKENDS = ("gloo",)
+# Backends whose workers keep their state through a lost peer (see RECOVERS_MARKER in training/contract.py,
+# and training/loop/lost_peer.py for how a step cut short is told apart).
+RECOVERING_BACKENDS = ("gloo", "nccl")
+
+
+# What a worker that recovers sets before its NCCL group exists: the watchdog neither aborts the
+# communicators itself (modes 1 and 2: the update queued after an aborted collective would run
+# without the flag of training/loop/lost_peer.py) nor ends the process (modes 1 and 3, torch's
+# default 3) when a collective fails or times out; lost_peer.GroupGuard breaks the group instead
+# (``_abort_process_group``'s docstring asks for 0, torch 2.13 distributed_c10d.py). No debug dump
+# either: it runs on the watchdog's thread while the abort waits (the first H100 try, 2026-11-27).
+RECOVERING_NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 
 
 def regroups_in_place() -> bool:
@@ -145,16 +154,21 @@ def regroups_in_place() -> bool:
     return bool(os.environ.get(CONTROL_DIR_ENV)) and os.environ.get(REGROUP_IN_PLACE_ENV, "1") != "0"
 
 
-def recovers_from_lost_peers(backend: str) -> bool:
+def recovers_from_lost_peers(backend: str, on_lost_peer: Callable[[], None]) -> bool:
     """Whether this worker keeps its state through a lost peer, and tells its agent so (it then
-    waits for the worker to pause instead of restarting it)."""
+    waits for the worker to pause instead of restarting it). ``on_lost_peer`` runs on the watcher
+    thread when the agent reports one (LOST_PEER_SIGNAL), while the main thread may be blocked in
+    a collective on the dead peer. Call before the process group exists: an NCCL worker's
+    watchdog must leave failures to it (RECOVERING_NCCL_ENVIRONMENT)."""
     if not regroups_in_place() or backend not in RECOVERING_BACKENDS:
         return False
+    if backend == "nccl":
+        os.environ.update(RECOVERING_NCCL_ENVIRONMENT)
     # The handler itself does nothing: the signal's number reaches the watcher thread through the
     # wake-up pipe (see _watch), which runs while the main thread is blocked in a collective.
     signal.signal(LOST_PEER_SIGNAL, lambda _signum, _frame: None)
-    global _shut_on_lost_peer
-    _shut_on_lost_peer = True
+    global _on_lost_peer
+    _on_lost_peer = on_lost_peer
     local_rank = os.environ.get("LOCAL_RANK", "0")
     (Path(os.environ[CONTROL_DIR_ENV]) / f"{RECOVERS_MARKER}-{local_rank}").touch()
     return True
@@ -290,7 +304,7 @@ def _tell_the_terminal(line: str) -> None:
 
 _current_request: StopRequest | None = None
 _watcher_pipe: tuple[int, int] | None = None
-_shut_on_lost_peer = False  # this worker recovers from lost peers (recovers_from_lost_peers)
+_on_lost_peer: Callable[[], None] | None = None  # see recovers_from_lost_peers
 
 
 def _start_watcher() -> None:
@@ -307,10 +321,11 @@ def _watch(read_end: int) -> None:
         received = os.read(read_end, 64)
         if not received:
             return
-        if LOST_PEER_SIGNAL in received and _shut_on_lost_peer:
-            # The main thread may be blocked in a collective on the dead peer: end it now.
-            log.warning("the agent reports a lost peer: shut %d connection(s) of this round",
-                        shut_tcp_connections())
+        if LOST_PEER_SIGNAL in received and _on_lost_peer is not None:
+            try:  # the main thread may be blocked in a collective on the dead peer: end it now
+                _on_lost_peer()
+            except Exception:
+                log.exception("acting on the lost peer failed")
         stops = [number for number in received if number in StopRequest.STOP_SIGNALS]
         request = _current_request
         if stops and request is not None and not request.training:

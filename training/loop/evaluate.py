@@ -112,14 +112,16 @@ class Evaluator:
         return step > 0 and (at_end or (self.every_steps > 0 and step % self.every_steps == 0))
 
     def evaluate(self, step: int, epoch: int, metrics: MetricsWriter,
-                 yield_to: Callable[[], bool] | None = None) -> dict[str, Any] | None:
+                 yield_to: Callable[[], bool] | None = None,
+                 reduced: Callable[[], None] = lambda: None) -> dict[str, Any] | None:
         """Evaluate the current weights on every rank (a collective: all ranks call it at the same
         step), report the figures as an ``eval`` event, and return them.
 
         ``yield_to``, asked every YIELD_EVERY_BATCHES batches at the same batches on every rank (it
         may be a collective: every rank asks as often, a rank out of batches too): True abandons
         the evaluation (None is returned, nothing reported). A long evaluation then never holds up
-        a stop checkpoint; the evaluation runs again once the job resumes at this step."""
+        a stop checkpoint; the evaluation runs again once the job resumes at this step.
+        ``reduced`` runs once the sums are read back from the all-reduce, before they are reported."""
         started = time.perf_counter()
         distributed = dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
@@ -145,6 +147,7 @@ class Evaluator:
         if distributed:
             dist.all_reduce(table)
         totals = table.sum(dim=0).tolist()  # the same table at any world size: the same sums
+        reduced()  # raises when the group broke under the all-reduce: its sums are not to be reported
         figures = self._figures(totals)
         metrics.evaluation(step=step, epoch=epoch, **figures, eval_s=round(time.perf_counter() - started, 3))
         return figures

@@ -42,11 +42,16 @@ def parameter_groups(module: nn.Module, weight_decay: float, decay_all: bool = F
     return [{"params": decayed, "weight_decay": weight_decay}, {"params": kept, "weight_decay": 0.0}]
 
 
-def build_optimizer(module: nn.Module, optim: OptimSection) -> torch.optim.Optimizer:
+def build_optimizer(module: nn.Module, optim: OptimSection, fused: bool = False) -> torch.optim.Optimizer:
+    """``fused``: one kernel per update that can be skipped on the device (its ``found_inf``, see
+    training/loop/lost_peer.py); CPU and CUDA kernels in torch 2.8 to 2.14 (native_functions.yaml,
+    ``_fused_sgd_``, ``_fused_adamw_``). Otherwise torch's default (foreach on CUDA)."""
     groups = parameter_groups(module, optim.weight_decay, optim.decay_norms_and_biases)
+    implementation = {"fused": True} if fused else {}
     if optim.name == "sgd":
-        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay,
+                               **implementation)
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, **implementation)
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any], module: nn.Module) -> None:
@@ -55,8 +60,17 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]
 
     An optimizer's state is keyed by each parameter's position across its groups in order, so a
     state written under the other grouping is renumbered by parameter; the groups' settings
-    (weight decay) are this job's.
+    (weight decay) are this job's, and so is the implementation (fused or not): torch's
+    ``load_state_dict`` takes every setting of the saved groups, ``fused`` and ``foreach`` too
+    (torch 2.13 torch/optim/optimizer.py, ``update_group``).
     """
+    implementation = [{key: group.get(key) for key in ("fused", "foreach")} for group in optimizer.param_groups]
+    _load_grouped(optimizer, saved, module)
+    for group, kept in zip(optimizer.param_groups, implementation, strict=True):
+        group.update(kept)
+
+
+def _load_grouped(optimizer: torch.optim.Optimizer, saved: dict[str, Any], module: nn.Module) -> None:
     if len(saved["param_groups"]) == len(optimizer.param_groups):
         optimizer.load_state_dict(saved)
         return

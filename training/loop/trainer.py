@@ -36,6 +36,7 @@ from training.data.feed import DeviceFeed
 from training.device import Runtime, detect
 from training.loop.compile import compile_with_fallback, should_compile
 from training.loop.evaluate import Evaluator
+from training.loop.lost_peer import GroupGuard, StepLedger
 from training.loop.metrics import MetricsWriter, stdout_is_for_people
 from training.loop.objective import count_training_flops, global_loss_scale, learning_rate, per_sample_loss
 from training.loop.optimizer import build_optimizer, load_optimizer_state
@@ -96,8 +97,6 @@ class Trainer:
         self._segment = ("", 0)
         self._reported = False  # this process was rank 0 (the one that reports) in the last round it joined
         self.refused = False  # the agent found no lost peer after a failed collective: fail as it was
-        self.recovers = False  # keeps its state through a lost peer (set once the group is joined)
-        self._buffers_before: tuple[int, list[Tensor]] = (-1, [])  # see _step
 
         # The model, its optimizer and the data outlive a regroup: only the world changes.
         torch.manual_seed(config.train.seed)  # identical initial weights on every rank
@@ -106,9 +105,20 @@ class Trainer:
         self.module.to(self.runtime.device)
         if self.channels_last:
             self.module.to(memory_format=torch.channels_last)
-        self.optimizer = build_optimizer(self.module, config.optim)
         self.precision = self.runtime.precision(config.train.precision)  # auto: bf16, or fp16 without bf16
         self.scaler = self.runtime.grad_scaler(self.precision)
+        # Keeps its state through a lost peer: its updates are skipped once the group breaks
+        # (training/loop/lost_peer.py), through a fused optimizer's found_inf, which fp16's scaler
+        # uses for its own purpose; and the XLA group has neither.
+        self.guard: GroupGuard | None = None
+        self.ledger: StepLedger | None = None
+        if (self.membership.distributed and not self.scaler.is_enabled() and self.runtime.kind in ("cpu", "cuda")
+                and (self.runtime.backend != "nccl" or config.distributed.nccl_recovery)
+                and elastic.recovers_from_lost_peers(self.runtime.backend, self._on_lost_peer)):
+            self.guard = GroupGuard(self.runtime.device, self.runtime.backend)
+            self.ledger = StepLedger(self.module, self.runtime.device)
+        self.recovers = self.guard is not None
+        self.optimizer = build_optimizer(self.module, config.optim, fused=self.recovers)
         vocab = getattr(getattr(self.module, "size", None), "vocab", None)
         self.decoder = build_decoder(config.data.decode, self.runtime.kind) if config.data.kind == "imagefolder" else None
         self.dataset = build_dataset(config, vocab, encoded=self.decoder is not None)
@@ -120,7 +130,6 @@ class Trainer:
             )
         self.evaluator = Evaluator.build(config, self.runtime, self.module, self.dataset, self.channels_last)
         self._join_world()
-        self.recovers = self.distributed and elastic.recovers_from_lost_peers(self.runtime.backend)
 
     def _join_world(self) -> None:
         """Everything that depends on this round's ranks: the process group, the resume, the wrapped
@@ -135,6 +144,8 @@ class Trainer:
             config.distributed.startup_timeout_s if self.first_start else config.distributed.timeout_s,
         )
         self.distributed = dist.is_initialized()
+        if self.guard is not None:
+            self.guard.start_round()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         previous_metrics = getattr(self, "metrics", None)
@@ -173,6 +184,8 @@ class Trainer:
             self.checkpointer.policy.durable_step = self.progress.step
         self.holds_state = True
         self.first_step = self.progress.step
+        if self.ledger is not None:
+            self.ledger.start(self.progress.step)
         self._segment = (self.attempt, self.first_step)
         self._reported = self.rank == 0
 
@@ -198,14 +211,12 @@ class Trainer:
         agent finds no lost peer, the failure was the job's own, and ``broken`` is raised.
         """
         started = time.perf_counter()
+        if broken is not None:
+            self._settle_broken_step(broken)
         elastic.leave_process_group(broken=broken is not None)
         self.model = self.module  # the old DDP wrapper holds the old group
-        if broken is not None:
-            # Gradients of the step that failed: never applied, never to be added to.
-            self.optimizer.zero_grad(set_to_none=True)
-            self.undo_failed_forward()
-            if self.sample_log:
-                self.sample_log.close()
+        if broken is not None and self.sample_log:
+            self.sample_log.close()
         self.generation += 1
         try:
             env = elastic.await_membership(self.membership.local_rank, self.generation, self.stop, broken)
@@ -222,13 +233,34 @@ class Trainer:
         self._join_world()
         self._resume_event["regroup_s"] = round(time.perf_counter() - started, 3)
 
-    def undo_failed_forward(self) -> None:
-        """The buffers (BatchNorm's running statistics) as they were before a step that did not complete."""
-        step, buffers = self._buffers_before
-        if step == self.progress.step:
-            with torch.no_grad():
-                for buffer, before in zip(self.module.buffers(), buffers, strict=True):
-                    buffer.copy_(before)
+    def _settle_broken_step(self, broken: BaseException) -> None:
+        """After a failed collective: skip every update not yet run and end the group's hung work
+        (GroupGuard.break_group; done already when the agent's signal or NCCL's error state came
+        first), let the device run what was queued, and go back to the step the weights hold:
+        its progress, its BatchNorm statistics (the forward passes of later steps changed them).
+        Raises ``broken`` when that step is no longer known."""
+        self.guard.break_group(f"{type(broken).__name__}: {elastic.first_line(broken)[:200]}")
+        if not self.guard.wait_ended():
+            self.refused = True
+            raise broken
+        self.runtime.synchronize()
+        self.optimizer.zero_grad(set_to_none=True)  # gradients of a step that did not count
+        restored = self.ledger.restore(self.progress, self.optimizer)
+        if restored is None:
+            raise broken
+        if restored.step != self.progress.step:
+            log.warning("the weights hold step %d (steps up to %d were queued)", restored.step, self.progress.step)
+        self.progress = restored
+
+    def _on_lost_peer(self) -> None:
+        """On the watcher thread, when the agent reports a lost peer (elastic.recovers_from_lost_peers)."""
+        if self.guard is not None:  # None only while the worker starts
+            self.guard.break_group("the agent reports a lost peer")
+
+    def _check_group(self) -> None:
+        """After reading a value the group reduced: it is not to be used if the group broke meanwhile."""
+        if self.guard is not None:
+            self.guard.check()
 
     def _save_alone(self) -> None:
         """A stop while paused between rounds: nothing was checkpointed for the regroup (the state
@@ -244,8 +276,12 @@ class Trainer:
         torch's distributed errors (RuntimeError, as gloo raises them; torch 2.13
         torch/distributed/__init__.py DistError), in a worker that recovers (:attr:`recovers`), with
         no stop asked for. The job's own errors (data, checkpoint, divergence) are not RuntimeErrors."""
-        return (self.recovers and isinstance(error, RuntimeError) and not isinstance(error, torch.OutOfMemoryError)
-                and not self.stop.requested and not self.refused)
+        if not self.recovers or self.stop.requested or self.refused or isinstance(error, torch.OutOfMemoryError):
+            return False
+        # Once the group is broken, whatever the main thread meets next is its consequence: an NCCL
+        # group aborted from the watcher thread has left the world ("Default process group has not
+        # been initialized", a ValueError).
+        return isinstance(error, RuntimeError) or self.guard.broken.is_set()
 
     # --- setup -----------------------------------------------------------------------------
 
@@ -484,7 +520,7 @@ class Trainer:
             return False
         started = time.perf_counter()
         figures = self.evaluator.evaluate(self.progress.step, self.progress.epoch, self.metrics,
-                                          self._asked_to_stop if yielding else None)
+                                          self._asked_to_stop if yielding else None, reduced=self._check_group)
         spent = time.perf_counter() - started
         run.eval_s += spent
         if run.window is not None:
@@ -498,6 +534,7 @@ class Trainer:
     def _asked_to_stop(self) -> bool:
         """During an evaluation: has any rank been asked to stop or regroup? (All ranks ask together.)"""
         stop, regroup = elastic.any_rank(self.stop.requested, self.stop.regroup, device=self.runtime.collective_device)
+        self._check_group()
         self.regrouping = regroup and not stop
         return stop or regroup
 
@@ -577,6 +614,7 @@ class Trainer:
         hold_next = self.rank == 0 and self.checkpointer.hold_ahead(self.progress.step)
         agreed = self.agreement.exchange(self.stop.requested, self.spot.pending, save_next, not_finite,
                                          self.stop.regroup, hold_next)
+        self._check_group()
         if agreed is None:  # the first step of this attempt: nothing was asked a step ago
             self._hold = False
             return False, False, False
@@ -627,10 +665,10 @@ class Trainer:
     def _step(self, feed: DeviceFeed) -> tuple[Tensor, float, float]:
         cfg = self.config
         started = time.perf_counter()
-        if self.recovers:
-            # A step that fails (a peer died in its all-reduce) has run its forward passes, which
-            # update BatchNorm's running statistics; undone on the way to the next round.
-            self._buffers_before = (self.progress.step, [b.clone() for b in self.module.buffers()])
+        if self.ledger is not None:
+            # The progress and BatchNorm statistics from before this step: a step that does not
+            # complete (a peer died in its all-reduce) still runs its forward passes.
+            self.ledger.before_step(self.progress, self.optimizer)
         if cfg.train.max_steps:
             total_steps, done = cfg.train.max_steps, self.progress.step / cfg.train.max_steps
         else:
@@ -675,10 +713,19 @@ class Trainer:
         if cfg.optim.grad_clip_norm:
             self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.module.parameters(), cfg.optim.grad_clip_norm)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        # Counted at once: between the update and here nothing can fail, so a rank's progress is
-        # always the steps its weights hold (a peer that takes over after a failure relies on it).
+        if self.guard is not None:
+            # Read on the device after the step's all-reduce: 1 once the group broke (lost_peer.py).
+            skip = self.guard.step_skip()
+            self.optimizer.found_inf = skip  # the GradScaler protocol of torch.optim (sgd.py, adam.py)
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+            self.ledger.after_update(skip)
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        # The steps queued; the device may run behind, and the ledger knows which it applied.
         self.progress.step += 1
         self.progress.offset += self.global_batch
         self.optimizer.zero_grad(set_to_none=True)
@@ -710,6 +757,7 @@ class Trainer:
                 total = torch.tensor([reduced_pending], device=self.runtime.collective_device)
                 dist.all_reduce(total)
                 reduced_pending = float(total.item())
+                self._check_group()
         self._bad_pending = 0
         self.progress.bad_samples += round(reduced_pending)
         limit = self.config.data.max_bad_samples
@@ -727,6 +775,7 @@ class Trainer:
             dist.all_reduce(totals)
         self.runtime.synchronize()
         loss_total, bad = totals.tolist()
+        self._check_group()
         self._count_bad_samples(bad)
         # Wall clock between two synchronized points: the device has finished every step of the
         # window (a CPU-side timer around each step would miss the work still queued on a GPU).
@@ -770,7 +819,9 @@ class Trainer:
         # Never save, nor prune a good checkpoint for, a state that is not finite.
         self._check_finite()
         if not self._weights_finite():
+            self._check_group()  # weights the abort left a step behind are finite but not this step's
             raise self._diverged()
+        self._check_group()
         self._count_bad_samples()
         self._saved_step = self.progress.step
         rng = rng_state()
