@@ -5,7 +5,8 @@
 Each case runs the real command as a subprocess and passes only on what it observes:
 
 - ``pod command``: ``training.contract.launch_command`` (the platform launcher, a real etcd on loopback,
-  the ``platform-etcd`` rendezvous) with the packaged trainer on the GPU, eager and compiled;
+  the ``platform-etcd`` rendezvous) with the packaged trainer on the GPU, eager and compiled, and on a
+  GPU eager with ``distributed.nccl_recovery`` (its rate against the default's prices the guard);
 - ``Batch command`` and ``Slurm command``: ``batch_launch_command`` and ``slurm_launch_command`` with the
   scheduler's variables of a one-node job (their rendezvous is static: no etcd);
 - ``stop and resume``: the pod command SIGTERMed while it trains: exit 143, its stop checkpoint on disk
@@ -289,6 +290,8 @@ def rates_table(report: Report, sizes: Sizes) -> str:
     def cell(value):
         return f"{value:,.1f}" if value else ("-" if value is None else "failed")
 
+    if "recovery_eager" in report.rates:
+        names.insert(1, ("trainer through the launcher, distributed.nccl_recovery", "recovery"))
     for title, key in names:
         rows.append(f"| {title} | {cell(report.rates.get(f'{key}_eager'))} | {cell(report.rates.get(f'{key}_compiled'))} |")
     for mode in ("eager", "compiled"):
@@ -296,6 +299,9 @@ def rates_table(report: Report, sizes: Sizes) -> str:
         if launcher and ddp and bare:
             rows.append(f"| ratio, {mode}: launcher / DDP loop, launcher / bare loop | {launcher / ddp:.3f} | "
                         f"{launcher / bare:.3f} |")
+    recovery, launcher = report.rates.get("recovery_eager"), report.rates.get("launcher_eager")
+    if recovery and launcher:
+        rows.append(f"| ratio, eager: with distributed.nccl_recovery / without | {recovery / launcher:.3f} | - |")
     return "\n".join(rows) + f"\n\n{sizes.model}, {sizes.image_size} px, batch {sizes.batch}, {sizes.precision}; " \
                              f"{sizes.steps} measured steps after {sizes.warmup}."
 
@@ -334,6 +340,14 @@ def main() -> int:
                 [*pod_command(endpoint, f"gpu-check-{mode}"),
                  *trainer_args(sizes, device, work, compiled=mode == "compiled", max_steps=measured)],
                 sizes, work, 1200)
+        if device == "cuda":  # what distributed.nccl_recovery costs a step (fused optimizer, ledger), eager
+            work = scratch / "pod-recovery"
+            work.mkdir()
+            report.rates["recovery_eager"] = launched_case(
+                report, "pod command, eager, distributed.nccl_recovery",
+                [*pod_command(endpoint, "gpu-check-recovery"),
+                 *trainer_args(sizes, device, work, compiled=False, max_steps=measured),
+                 "--distributed.nccl_recovery=true"], sizes, work, 1200)
         for name, command, env in (
                 ("Batch command", batch_launch_command(nproc_per_node=1, max_restarts=0, python=sys.executable,
                                                        master_port=free_port()),
