@@ -81,14 +81,11 @@ class GroupGuard:
         with self._lock:
             if self.broken.is_set():
                 return False
-            if self._stream is not None:
-                with torch.cuda.stream(self._stream):
-                    self.skip.fill_(1.0)
-                self._stream.synchronize()
-            else:
-                self.skip.fill_(1.0)
+            # Said first: the main thread stops acting on reduced values now (it checks ``broken``),
+            # before the group is aborted, which is what could cut a collective short.
             self.reason = reason
             self.broken.set()
+            self._set_skip(1.0)
         log.warning("the process group is broken (%s): updates not yet run are skipped", reason)
         try:
             if self.backend == "nccl":
@@ -117,6 +114,25 @@ class GroupGuard:
                   ABORT_WAIT_S)
         return False
 
+    def _set_skip(self, value: float) -> None:
+        """On the guard's stream, done when it returns: the compute stream may be blocked."""
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                self.skip.fill_(value)
+            self._stream.synchronize()
+        else:
+            self.skip.fill_(value)
+
+    def wait_for_device(self) -> None:
+        """Until the device has run everything queued, or the group broke (then raise): never a
+        synchronization that a collective hung on a dead peer would hold until the abort."""
+        if self._stream is not None:
+            queued = torch.cuda.Event()
+            queued.record()
+            while not queued.query() and not self.broken.is_set():
+                time.sleep(0.001)
+        self.check()
+
     def check(self) -> None:
         """In the main thread, after reading a value the group reduced: raise if it may be cut short."""
         if self.broken.is_set():
@@ -131,7 +147,7 @@ class GroupGuard:
         """A new group of the next round (in the main thread, the old group gone): updates apply again."""
         with self._lock:
             self._round += 1
-            self.skip.zero_()
+            self._set_skip(0.0)
             self.broken.clear()
             self.ended.clear()
             self.reason = ""
@@ -156,7 +172,8 @@ class GroupGuard:
             except RuntimeError:
                 return  # the group is gone
             if error != ErrorType.SUCCESS:
-                self.break_group(f"NCCL reports {error.name}")
+                if self._round == round_:  # not a group of a round that has ended meanwhile
+                    self.break_group(f"NCCL reports {error.name}")
                 return
             time.sleep(POLL_S)
 

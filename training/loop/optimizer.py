@@ -68,6 +68,15 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]
     _load_grouped(optimizer, saved, module)
     for group, kept in zip(optimizer.param_groups, implementation, strict=True):
         group.update(kept)
+        # torch placed Adam's step counts by the saved groups' settings (on the host, unless they were
+        # fused or capturable: torch 2.13 optimizer.py _process_value_according_to_param_policy): placed
+        # again by this job's. The fused kernels take them on the parameters' device (else "Expected all
+        # tensors to be on the same device"), the others on the host (else an .item() per parameter).
+        for parameter in group["params"]:
+            state = optimizer.state.get(parameter, {})
+            if isinstance(state.get("step"), torch.Tensor):
+                device = parameter.device if kept["fused"] else torch.device("cpu")
+                state["step"] = state["step"].to(device=device, dtype=torch.float32)
 
 
 def _load_grouped(optimizer: torch.optim.Optimizer, saved: dict[str, Any], module: nn.Module) -> None:

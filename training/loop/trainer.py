@@ -240,14 +240,16 @@ class Trainer:
         its progress, its BatchNorm statistics (the forward passes of later steps changed them).
         Raises ``broken`` when that step is no longer known."""
         self.guard.break_group(f"{type(broken).__name__}: {elastic.first_line(broken)[:200]}")
+        # Whatever fails from here ends the worker (it restarts from the checkpoint): not again.
+        self.refused = True
         if not self.guard.wait_ended():
-            self.refused = True
             raise broken
         self.runtime.synchronize()
         self.optimizer.zero_grad(set_to_none=True)  # gradients of a step that did not count
         restored = self.ledger.restore(self.progress, self.optimizer)
         if restored is None:
             raise broken
+        self.refused = False
         if restored.step != self.progress.step:
             log.warning("the weights hold step %d (steps up to %d were queued)", restored.step, self.progress.step)
         self.progress = restored
@@ -261,6 +263,13 @@ class Trainer:
         """After reading a value the group reduced: it is not to be used if the group broke meanwhile."""
         if self.guard is not None:
             self.guard.check()
+
+    def _received(self) -> None:
+        """After a state sent over the group: with NCCL the broadcast returns before the device has
+        the data, and a sender that dies mid-way leaves the buffers partly empty. Loaded only once
+        the device has it all, and the group did not break meanwhile (then the round starts over)."""
+        if self.guard is not None:
+            self.guard.wait_for_device()
 
     def _save_alone(self) -> None:
         """A stop while paused between rounds: nothing was checkpointed for the regroup (the state
@@ -276,12 +285,14 @@ class Trainer:
         torch's distributed errors (RuntimeError, as gloo raises them; torch 2.13
         torch/distributed/__init__.py DistError), in a worker that recovers (:attr:`recovers`), with
         no stop asked for. The job's own errors (data, checkpoint, divergence) are not RuntimeErrors."""
-        if not self.recovers or self.stop.requested or self.refused or isinstance(error, torch.OutOfMemoryError):
+        if not self.recovers or self.stop.requested or self.refused:
             return False
         # Once the group is broken, whatever the main thread meets next is its consequence: an NCCL
         # group aborted from the watcher thread has left the world ("Default process group has not
-        # been initialized", a ValueError).
-        return isinstance(error, RuntimeError) or self.guard.broken.is_set()
+        # been initialized", a ValueError), a size read from a cut-short buffer may exhaust memory.
+        if self.guard.broken.is_set():
+            return True
+        return isinstance(error, RuntimeError) and not isinstance(error, torch.OutOfMemoryError)
 
     # --- setup -----------------------------------------------------------------------------
 
@@ -318,7 +329,9 @@ class Trainer:
             raise CheckpointError(summary["message"])
         if summary["kind"] == "fresh":
             return {"set_aside": summary["set_aside"]} if "set_aside" in summary else {}
-        state = TrainState.from_state_dict(broadcast_state(decision.get("state"), self.runtime.collective_device))
+        state = broadcast_state(decision.get("state"), self.runtime.collective_device)
+        self._received()
+        state = TrainState.from_state_dict(state)
         self.module.load_state_dict(state.model)
         load_optimizer_state(self.optimizer, state.optimizer, self.module)
         if self.scaler.is_enabled() and state.scaler:
@@ -359,6 +372,7 @@ class Trainer:
         mine = (self.progress.step, self.progress.evaluated_step, self.flops_per_sample, self._reported) \
             if self.holds_state else (-1, -1, None, False)
         members = all_gather_objects(mine, self.runtime.collective_device)
+        self._check_group()
         held = [int(step) for step, _, _, _ in members]
         newest = max(held)
         if newest < 0:
@@ -377,6 +391,7 @@ class Trainer:
                      "flops_per_sample": next((flops for _, _, flops, _ in members if flops is not None), None)}
         sent = tensor_bytes(state) if state is not None else 0
         state = broadcast_state(state, self.runtime.collective_device, src=source)
+        self._received()
         if self.rank != source:
             self.module.load_state_dict(state["model"])
             load_optimizer_state(self.optimizer, state["optimizer"], self.module)
@@ -398,6 +413,7 @@ class Trainer:
         attempt = [uuid.uuid4().hex[:12]]
         if self.distributed:
             dist.broadcast_object_list(attempt, src=0, device=self.runtime.collective_device)
+            self._check_group()
         return attempt[0]
 
     def _open_sample_log(self):
