@@ -110,7 +110,7 @@ class GroupGuard:
         device may still run a hung collective, and a synchronization would wait for it."""
         if self.ended.wait(ABORT_WAIT_S):
             return True
-        log.error("the broken group's work did not end within %.0f s; this worker restarts from the checkpoint",
+        log.error("the broken group's abort did not return within %.0f s; this worker restarts from the checkpoint",
                   ABORT_WAIT_S)
         return False
 
@@ -123,14 +123,25 @@ class GroupGuard:
         else:
             self.skip.fill_(value)
 
+    def drained(self, timeout_s: float | None = None) -> bool:
+        """Whether the device has run everything queued on the current stream, found by polling an
+        event: never a blocking synchronization, which a collective hung on a dead peer would hold
+        until the abort (the first H100 try hung in one). False once ``timeout_s`` has passed, or,
+        without one, once the group broke."""
+        if self._stream is None:
+            return True  # the host's own work is done when it returns
+        queued = torch.cuda.Event()
+        queued.record()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not queued.query():
+            if self.broken.is_set() if deadline is None else time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
     def wait_for_device(self) -> None:
-        """Until the device has run everything queued, or the group broke (then raise): never a
-        synchronization that a collective hung on a dead peer would hold until the abort."""
-        if self._stream is not None:
-            queued = torch.cuda.Event()
-            queued.record()
-            while not queued.query() and not self.broken.is_set():
-                time.sleep(0.001)
+        """Until the device has run everything queued; raise if the group broke meanwhile."""
+        self.drained()
         self.check()
 
     def check(self) -> None:

@@ -36,7 +36,7 @@ from training.data.feed import DeviceFeed
 from training.device import Runtime, detect
 from training.loop.compile import compile_with_fallback, should_compile
 from training.loop.evaluate import Evaluator
-from training.loop.lost_peer import GroupGuard, StepLedger
+from training.loop.lost_peer import ABORT_WAIT_S, GroupGuard, StepLedger
 from training.loop.metrics import MetricsWriter, stdout_is_for_people
 from training.loop.objective import count_training_flops, global_loss_scale, learning_rate, per_sample_loss
 from training.loop.optimizer import build_optimizer, load_optimizer_state
@@ -244,7 +244,10 @@ class Trainer:
         self.refused = True
         if not self.guard.wait_ended():
             raise broken
-        self.runtime.synchronize()
+        if not self.guard.drained(ABORT_WAIT_S):
+            log.error("the device did not finish the broken round's work within %.0f s of the abort; this worker "
+                      "restarts from the checkpoint", ABORT_WAIT_S)
+            raise broken
         self.optimizer.zero_grad(set_to_none=True)  # gradients of a step that did not count
         restored = self.ledger.restore(self.progress, self.optimizer)
         if restored is None:
