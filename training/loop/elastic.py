@@ -207,23 +207,12 @@ def first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [""])[0]
 
 
-def leave_process_group(broken: bool = False) -> None:
+def leave_process_group() -> None:
     """Drop this round's process group, also when a peer is dead: abort, where torch has it for
     the backend, returns at once and never waits on the dead peer (torch 2.13
     torch/distributed/distributed_c10d.py ``_abort_process_group``; ``destroy_process_group`` shuts
-    backends down, which NCCL may block in, pytorch issue 119797).
-
-    ``broken``: a collective failed under this worker. Its peers may be blocked in the same step,
-    waiting for data that passes through ranks that already gave up: gloo exchanges with a few
-    peers per step, so only the dead peer's neighbours fail at once, and the rest wait out their
-    timeout (5 of 7 survivors at 8 ranks, for minutes). gloo has no abort (``Backend::abort`` is
-    empty; torch 2.13 torch/csrc/distributed/c10d/Backend.hpp), and the group's C++ objects outlive
-    Python's references, so its connections stay open. They are shut here instead: each peer that
-    waits on this worker then fails at once, and does the same, and the failure crosses the whole
-    group in a fraction of a second (benchmarks/elastic_recovery.py --lost-node).
-    """
-    if broken:
-        shut_tcp_connections()
+    backends down, which NCCL may block in, pytorch issue 119797). A group that broke under this
+    worker was ended first (training/loop/lost_peer.py, GroupGuard.break_group)."""
     if not dist.is_initialized():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # in 2.8, 2.13 and 2.14.1

@@ -96,8 +96,14 @@ class GroupGuard:
                     dist.distributed_c10d._abort_process_group()
                     log.warning("the NCCL group is aborted (%.2f s)", time.perf_counter() - started)
             elif dist.is_initialized():
-                # gloo has no abort (Backend::abort is empty): its peers, blocked on this worker, fail
-                # once its connections end (see elastic.leave_process_group).
+                # Its peers may be blocked in the same step, waiting for data that passes through ranks
+                # that already gave up: gloo exchanges with a few peers per step, so only the dead peer's
+                # neighbours fail at once, and the rest wait out their timeout (5 of 7 survivors at 8 ranks,
+                # for minutes). gloo has no abort (``Backend::abort`` is empty; torch 2.13
+                # torch/csrc/distributed/c10d/Backend.hpp), and the group's C++ objects outlive Python's
+                # references, so its connections stay open. Shut here instead, each peer waiting on this
+                # worker fails at once and does the same: the failure crosses the group in a fraction of a
+                # second (benchmarks/elastic_recovery.py --lost-node).
                 log.warning("shut %d connection(s) of this round", shut_tcp_connections())
         except Exception as exc:  # noqa: BLE001 - on a thread of its own: said, and the worker gives up (wait_ended)
             log.error("ending the broken group's work failed: %s", exc)

@@ -213,7 +213,7 @@ class Trainer:
         started = time.perf_counter()
         if broken is not None:
             self._settle_broken_step(broken)
-        elastic.leave_process_group(broken=broken is not None)
+        elastic.leave_process_group()
         self.model = self.module  # the old DDP wrapper holds the old group
         if broken is not None and self.sample_log:
             self.sample_log.close()
