@@ -7,6 +7,8 @@ behaviour with real processes is in test_elastic_scale.py.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from dataclasses import replace
@@ -19,7 +21,7 @@ from training.devtools.drills import etcd_metrics
 from training.launcher.etcd_v3 import EtcdClient, EtcdUnavailable, op_put, unchanged_since
 from training.contract import PLATFORM_TUNING
 from training.devtools.local_cluster import LocalEtcd, free_port
-from training.launcher.rendezvous import EtcdRendezvousHandler, EtcdStore, Outage
+from training.launcher.rendezvous import LEASE_DOUBT_TTLS, EtcdRendezvousHandler, EtcdStore, Outage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -161,6 +163,56 @@ def test_a_dead_node_is_left_behind_when_its_lease_ends_with_no_last_call(etcd_m
     finally:
         for node in nodes:
             node.shutdown()
+
+
+def test_leases_that_etcd_itself_ends_do_not_break_up_a_running_round(tmp_path):
+    # etcd ends every lease at once when it stalls or restarts for longer than their TTL (1 s): live
+    # nodes' keys go too, and each node re-grants its lease at its next keepalive. Before, each node
+    # took its peers (and itself) for dead and the job re-formed (a CI run of the etcd drill, once).
+    etcd = LocalEtcd()
+    nodes = [handler(etcd.start(), "doubt", max_nodes=2) for _ in range(2)]
+    try:
+        join_all(nodes)
+        # What etcd does after a stall, done at once to both leases (deterministic): the keys go.
+        for node in nodes:
+            node._client.lease_revoke(node._lease)
+        nodes[0]._checked = 0.0
+        assert nodes[0].num_nodes_waiting() == 0  # its own key is gone too: etcd's doing, not a death
+        # And the real thing: etcd stopped for 2 s, as a stalled disk or a paused VM does.
+        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        time.sleep(2.0)
+        os.kill(etcd.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            assert not any(node.num_nodes_waiting() for node in nodes), "a live node was taken for dead"
+            time.sleep(0.05)
+        live = nodes[0]._snapshot().live
+        assert {node._node for node in nodes} <= set(live)  # both renewed: new leases, same keys
+    finally:
+        for node in nodes:
+            node.shutdown()
+        etcd.__exit__()
+
+
+def test_a_node_that_dies_while_etcd_stalls_is_still_left_behind(tmp_path):
+    etcd = LocalEtcd()
+    nodes = [handler(etcd.start(), "doubt-dead", max_nodes=3) for _ in range(3)]
+    survivors, victim = nodes[:2], nodes[2]
+    try:
+        join_all(nodes)
+        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        victim._stopping.set()  # its pod is gone meanwhile: it will not renew
+        time.sleep(2.0)
+        os.kill(etcd.proc.pid, signal.SIGCONT)
+        back = time.monotonic()
+        until(lambda: all(n.num_nodes_waiting() for n in survivors), 10, "the survivors to notice")
+        # The doubt lasts LEASE_DOUBT_TTLS leases from the moment a survivor's own lease was found gone.
+        assert time.monotonic() - back < LEASE_DOUBT_TTLS * PLATFORM_TUNING.lease_ttl + 2.5
+        assert victim._node not in survivors[0]._snapshot().live
+    finally:
+        for node in nodes:
+            node.shutdown()
+        etcd.__exit__()
 
 
 def test_a_clean_exit_is_seen_at_once(etcd_module):

@@ -32,7 +32,9 @@ never reached its full size. This handler implements torch's ``RendezvousHandler
 - **etcd outages are waited out** for ``outage_tolerance`` seconds at every call, from the
   agent's first moment: a running job trains on, a joining agent keeps trying. Leases
   survive an etcd restart (etcd renews every lease when a leader takes over); a lost lease
-  (etcd came back empty) is re-granted and the node re-joins.
+  (etcd came back empty) is re-granted and the node re-joins. An etcd that stalls or restarts
+  for longer than the TTL ends every lease, live nodes' too: they re-grant theirs, and their peers
+  wait two TTLs for them before counting anyone gone (``_missing_members``).
 - **Only success closes the round** (:meth:`EtcdRendezvousHandler.close_round`, called by
   the launcher after the job finished); a failed agent never strands its peers.
 
@@ -76,6 +78,9 @@ CHECK_S = 0.2
 # A live member of the previous round that has not re-joined after its workers' stop budget and
 # this margin (they are stuck stopping) no longer holds up the round; the last call decides.
 REJOIN_MARGIN_S = 10.0
+# Nodes' keys that went with their leases, while this node's own lease went too or etcd was just away,
+# are given this many lease TTLs to come back before they count as gone (see _missing_members).
+LEASE_DOUBT_TTLS = 2.0
 
 
 class Outage:
@@ -84,6 +89,7 @@ class Outage:
     def __init__(self, tolerance_s: float) -> None:
         self.tolerance_s = tolerance_s
         self.since: float | None = None
+        self.ended_at = float("-inf")  # monotonic time etcd answered again after the last outage
         self._lock = threading.Lock()
 
     def failed(self, error: Exception) -> None:
@@ -96,7 +102,8 @@ class Outage:
     def answered(self) -> None:
         with self._lock:
             if self.since is not None:
-                log.warning("etcd answers again after %.1f s", time.monotonic() - self.since)
+                self.ended_at = time.monotonic()
+                log.warning("etcd answers again after %.1f s", self.ended_at - self.since)
                 self.since = None
 
     @property
@@ -182,6 +189,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # How long a survivor's workers may take to checkpoint and stop before it re-joins.
         self._rejoin_grace_s = float(os.environ.get(STOP_BUDGET_ENV, "30")) + REJOIN_MARGIN_S
         self._lease = 0
+        self._lease_ttl_s = 1  # what etcd granted
         self._lease_lock = threading.Lock()
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -190,6 +198,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._training_since: float | None = None
         self._checked = 0.0
         self._waiting = 0
+        self._lease_lost_at = float("-inf")  # monotonic time this node's own lease was found gone
+        self._doubting = False  # members are missing and the verdict waits (logged once)
         # Whether the workers can still stop together with a checkpoint (see stop_gracefully).
         self._graceful = True
 
@@ -303,7 +313,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             log.warning("a new round of the rendezvous has started (%s); re-joining",
                         state.reason if state is not None else "etcd lost the state")
             self._waiting, self._graceful = 1, state is None or state.reason == "growth"
-        elif gone := [m for m in state.member_ids if m not in snap.live]:
+        elif gone := self._missing_members(state, snap, now):
             log.warning("%d node(s) of this round are gone (%s); re-forming the round without them", len(gone),
                         ", ".join(gone))
             self._waiting, self._graceful = 1, False
@@ -316,6 +326,39 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 log.info("admitting %d waiting node(s) after %.0f s of training in this round", self._waiting,
                          time.time() - (self._training_since or self._round_started))
         return self._waiting
+
+    def _missing_members(self, state: RoundState, snap: Snapshot, now: float) -> list[str]:
+        """The members of this round whose key is gone: their lease ended, they are dead.
+
+        Unless etcd itself ended the leases: a member stalled or restarted longer than a lease's TTL
+        (1 s) ends every lease at once, live nodes' too (a lease renewed after its expiry is not found:
+        etcd 3.5 ``server/lease/lessor.go``, ``Renew``; a new leader extends every lease by one election
+        timeout only, ``server/etcdserver/server.go``, ``applyEntryNormal``: ``Promote``). Reproduced
+        with a real etcd stopped for 2 s (tests/test_rendezvous_v3.py); a CI run of the etcd drill
+        re-formed once, losing nothing, right after etcd came back. Each node saw its peers gone,
+        and itself, and the job re-formed for nothing. So when this node's own key is missing (it is alive:
+        etcd dropped its lease), its lease was found gone, or etcd was away, missing members get
+        LEASE_DOUBT_TTLS lease TTLs to renew (each one re-grants its lease at its next keepalive,
+        ``_keep_alive``) before they count as gone. A node that really died then is left behind
+        that much later; a lost node without any etcd trouble is left behind as fast as before.
+        """
+        missing = [m for m in state.member_ids if m not in snap.live]
+        if not missing:
+            self._doubting = False
+            return []
+        if self._node in missing:
+            self._lease_lost_at = max(self._lease_lost_at, now)
+        grace = LEASE_DOUBT_TTLS * self._lease_ttl_s
+        doubt_since = max(self._lease_lost_at, self._outage.ended_at)
+        if now - doubt_since < grace:
+            if not self._doubting:
+                log.warning("%d node(s) of this round have no key in etcd right after etcd lost leases or was away "
+                            "(%s); waiting up to %.1f s for them to renew before re-forming", len(missing),
+                            ", ".join(missing), grace)
+            self._doubting = True
+            return []
+        self._doubting = False
+        return missing
 
     @property
     def stop_gracefully(self) -> bool:
@@ -466,10 +509,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
             lease, granted = self._client.lease_grant(max(1, round(self._tuning.lease_ttl)))
             record = json.dumps({"addr": self._addr, "ready": True, "since": time.time()})
             self._client.put(self._key(f"node/{self._node}"), record, lease=lease)
-            if self._lease and granted != self._lease:
-                log.warning("this node's etcd lease was lost (etcd restarted without its data, or a partition "
-                            "outlasted it); holding a new one")
-            self._lease = lease
+            if self._lease:  # a lease held before is gone
+                self._lease_lost_at = time.monotonic()
+                log.warning("this node's etcd lease was lost (etcd restarted without its data, stalled, or a "
+                            "partition outlasted it); holding a new one")
+            self._lease, self._lease_ttl_s = lease, granted
             if granted > self._tuning.lease_ttl:
                 log.info("etcd granted a %d s lease (its minimum) for the %g s asked", granted, self._tuning.lease_ttl)
 
@@ -477,7 +521,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         while not self._stopping.wait(self._tuning.keep_alive_interval):
             try:
                 if self._client.lease_keepalive(self._lease) == 0:
-                    self._grant()  # the lease is gone: this node's key with it; peers re-form without it
+                    self._grant()  # the lease is gone, this node's key with it: peers see it back (_missing_members)
                 self._outage.answered()
             except EtcdUnavailable as exc:
                 self._outage.failed(exc)
