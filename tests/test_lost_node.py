@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from training.loop.lost_peer import GroupBroken
 from training.loop.trainer import RAISE_AT_STEP_ENV
 
 pytestmark = pytest.mark.timeout(600)
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_node_killed_during_a_checkpoint_write_costs_four_agents_no_step(tmp_path):
@@ -253,3 +258,27 @@ def test_a_checkpoint_written_by_another_optimizer_implementation_resumes_with_t
     recovering.found_inf = torch.ones(())
     recovering.step()  # skipped, not "Expected grad_scale and found_inf to be None"
     assert all(torch.equal(a, p) for a, p in zip(before, module.parameters(), strict=True))
+
+
+def test_a_broken_group_shuts_this_process_s_tcp_connections_and_leaves_its_listeners_and_other_sockets():
+    # In a process of its own: the suite's process holds connections of other tests.
+    check = textwrap.dedent("""
+        import socket
+        from training.loop.elastic import shut_tcp_connections
+
+        listener = socket.create_server(("127.0.0.1", 0))
+        client = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        datagram = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        local_a, local_b = socket.socketpair()  # AF_UNIX: not a peer's connection
+        assert shut_tcp_connections() == 2  # the client end and the accepted end; nothing else
+        assert client.recv(1) == b"" and accepted.recv(1) == b""  # both ends see the connection end
+        late = socket.create_connection(listener.getsockname())  # the listener still accepts
+        listener.accept()[0].close()
+        local_a.sendall(b"x")
+        assert local_b.recv(1) == b"x"
+        assert client.fileno() >= 0  # the descriptors stay open for their owners
+    """)
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
