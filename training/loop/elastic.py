@@ -234,9 +234,10 @@ def shut_tcp_connections() -> int:
     connection end. Found from this process's own descriptors, not from /proc/net/tcp: that table
     lists every socket of the network namespace: with 16 agents on a 2-core machine a worker took up
     to 1.2 s from breaking its group to shutting its 3 connections, 25 ms at most this way
-    (benchmarks/elastic_recovery.py --lost-node 16, 2026-11-27). A listener is left alone: gloo's ends the process when its accept fails
-    (gloo/transport/tcp/listener.cc, "accept: Invalid argument"). Each copy is checked to be the
-    socket listed (a descriptor closed and reused meanwhile is left alone).
+    (benchmarks/elastic_recovery.py --lost-node 16, 2026-11-27). A listener is left alone: gloo's
+    ends the process when its accept fails (gloo/transport/tcp/listener.cc, "accept: Invalid
+    argument"). Each copy is checked to be the socket listed (a descriptor closed and reused
+    meanwhile is left alone).
     """
     import socket
 
