@@ -76,6 +76,9 @@ class AcceleratedNodeGroupProps:
     placement_group: bool = True  # a cluster placement group of the group's own
     # Launch into reserved capacity; a Capacity Block makes the group's capacity type CAPACITY_BLOCK.
     capacity_reservation: CapacityReservation | None = None
+    # EKS node auto repair: a node reported unhealthy (NodeConditions of the node monitoring agent, or
+    # NotReady) is rebooted or replaced by the managed node group.
+    auto_repair: bool = True
 
 
 class AcceleratedNodeGroup(Construct):
@@ -114,7 +117,14 @@ class AcceleratedNodeGroup(Construct):
             min_size=props.min_size, desired_size=size.desired_size, max_size=props.max_size,
             labels=node_labels(props.name, instance, props.efa),
             taints=[eks.TaintSpec(key=key, value=value, effect=eks.TaintEffect.NO_SCHEDULE)],
+            # NodeRepairConfig.Enabled, with EKS's own thresholds and actions (a node whose accelerators are
+            # reported unhealthy is rebooted or replaced after 10 minutes, one NotReady for 30 is replaced).
+            enable_node_auto_repair=props.auto_repair,
         )
+        if not props.auto_repair:
+            # The L2 renders no NodeRepairConfig at all for false (aws-cdk-lib 2.275.0,
+            # aws-eks-v2/lib/managed-nodegroup.js): turning repair off must say so to EKS.
+            self.nodegroup.node.default_child.add_property_override("NodeRepairConfig", {"Enabled": False})
         pin_node_version(self.nodegroup, props.version)
         self._tag_auto_scaling_group(props.cluster, autoscaler_template_tags(props.name, instance, props.efa))
 

@@ -24,6 +24,7 @@ class ClusterAddonsProps:
     versions: dict[str, str]  # add-on name -> pinned version (config); else config/versions.py, else EKS's default
     file_system_arn: str
     monitoring: bool
+    node_monitoring_agent: bool = True
 
 
 class ClusterAddons(Construct):
@@ -51,6 +52,17 @@ class ClusterAddons(Construct):
                                                    resources=[props.file_system_arn]))
         self.fsx_csi = self._addon("aws-fsx-csi-driver", roles=[fsx], configuration={
             "node": {"tolerations": TOLERATE_ALL}})
+        self.node_monitoring: eks.CfnAddon | None = None
+        if props.node_monitoring_agent:
+            # Reports NodeConditions (AcceleratedHardwareReady: NVIDIA XIDs and DCGM health, Neuron
+            # hardware errors; KernelReady, NetworkingReady, StorageReady) that the node groups' auto repair
+            # acts on. It calls only the Kubernetes API and IMDS: no IAM role (EKS User Guide,
+            # workloads-add-ons-available-eks, "doesn't require additional permissions"). Its agent
+            # tolerates every taint; its DCGM host engine, which the agent reads GPU health from, tolerates
+            # none (aws/eks-node-monitoring-agent v1.7.0, charts/.../values.yaml ``dcgmAgent.tolerations: []``):
+            # without this it never runs on the tainted GPU nodes and XIDs go unseen.
+            self.node_monitoring = self._addon("eks-node-monitoring-agent", configuration={
+                "dcgmAgent": {"tolerations": TOLERATE_ALL}})
         self.observability: eks.CfnAddon | None = None
         if props.monitoring:
             agent = self._role("CloudWatchAgent", "amazon-cloudwatch", "cloudwatch-agent",

@@ -158,6 +158,9 @@ class ClusterConfig(StrictModel):
     admin_principal_arns: list[str] = []
     # An idle accelerated node is removed after this many minutes (groups scale to min_size, 0 by default).
     scale_down_idle_minutes: int = Field(default=10, ge=1, le=1440)
+    # The EKS node monitoring agent add-on: it reads each node's logs (GPU XID errors, Neuron, kernel,
+    # network, storage) and reports NodeConditions, which node auto repair acts on.
+    node_monitoring_agent: bool = True
 
     @field_validator("kubernetes_version", mode="before")
     @classmethod
@@ -262,6 +265,9 @@ class AcceleratedNodeGroupConfig(_Sized):
     efa: bool | None = None  # None: on wherever the instance type has EFA
     placement_group: bool = True
     capacity_reservation: CapacityReservationConfig | None = None
+    # EKS replaces or reboots a node whose accelerators, kernel, network or storage the node monitoring
+    # agent reports unhealthy, or that stays NotReady (cluster.node_monitoring_agent; docs/operations.md).
+    node_auto_repair: bool = True
 
     @field_validator("instance_type")
     @classmethod

@@ -63,7 +63,7 @@ def accelerated_node_group_props(group: AcceleratedNodeGroupConfig, *, cluster: 
         name=group.name, instance=group.instance,
         min_size=group.min_size, max_size=group.max_size, desired_size=group.desired_size,
         efa=group.efa_enabled, version=version, capacity_type=eks.CapacityType[group.capacity_type.value],
-        placement_group=group.placement_group,
+        placement_group=group.placement_group, auto_repair=group.node_auto_repair,
         capacity_reservation=CapacityReservation(reservation.id, capacity_block=reservation.kind == "capacity_block")
         if reservation else None,
     )
@@ -125,7 +125,7 @@ class ClusterStack(Stack):
             versions=config.versions.addons,
             file_system_arn=self.format_arn(service="fsx", resource="file-system",
                                             resource_name=file_system.volume.file_system_id),
-            monitoring=config.monitoring.enabled))
+            monitoring=config.monitoring.enabled, node_monitoring_agent=config.cluster.node_monitoring_agent))
 
         self.dashboard = None
         if config.monitoring.enabled:

@@ -46,6 +46,13 @@ def test_the_node_group_uses_only_the_compute_subnet_with_labels_and_taint():
     template.has_resource_properties("AWS::EC2::PlacementGroup", {"Strategy": "cluster"})
 
 
+def test_node_auto_repair_is_on_by_default_and_off_is_said_to_eks():
+    template, _, _ = synth(group("p5.48xlarge"))
+    template.has_resource_properties("AWS::EKS::Nodegroup", {"NodeRepairConfig": {"Enabled": True}})
+    template, _, _ = synth(group("p5.48xlarge", node_auto_repair=False))
+    template.has_resource_properties("AWS::EKS::Nodegroup", {"NodeRepairConfig": {"Enabled": False}})
+
+
 def test_spot_is_passed_through_for_a_group_without_efa_or_placement_group():
     template, _, _ = synth(group("trn1.2xlarge", capacity_type="SPOT", placement_group=False))
     template.has_resource_properties("AWS::EKS::Nodegroup", {"CapacityType": "SPOT",

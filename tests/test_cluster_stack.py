@@ -7,6 +7,7 @@ import json
 import pytest
 
 from config import CATALOG
+from config.catalog import ACCELERATED_ROLE, NODE_ROLE_LABEL
 from tests.conftest import VARIANTS, config_variant
 
 HELM = "Custom::AWSCDK-EKS-HelmChart"
@@ -131,7 +132,7 @@ def test_volcano_is_installed_without_the_enqueue_action(example):
 def test_add_ons_and_their_pod_identity_roles(example):
     addons = {p["AddonName"]: p for p in props(example, "AWS::EKS::Addon")}
     assert set(addons) == {"eks-pod-identity-agent", "vpc-cni", "kube-proxy", "coredns", "aws-fsx-csi-driver",
-                           "aws-ebs-csi-driver", "amazon-cloudwatch-observability"}
+                           "aws-ebs-csi-driver", "amazon-cloudwatch-observability", "eks-node-monitoring-agent"}
     accounts = {name: a["PodIdentityAssociations"][0]["ServiceAccount"] for name, a in addons.items()
                 if "PodIdentityAssociations" in a}
     assert accounts == {"vpc-cni": "aws-node", "aws-fsx-csi-driver": "fsx-csi-controller-sa",
@@ -152,6 +153,26 @@ def test_add_on_versions_are_pinned_from_config(synth):
     assert addons["vpc-cni"]["AddonVersion"] == "v1.20.4-eksbuild.1"
     assert addons["coredns"]["AddonVersion"] == "v1.13.2-eksbuild.4"  # the 1.34 table
     assert "AddonVersion" not in addons["eks-pod-identity-agent"]  # EKS's default unless pinned
+
+
+def test_node_health_the_monitoring_agent_reads_gpu_health_on_tainted_nodes_and_accelerated_groups_repair(example):
+    addons = {p["AddonName"]: p for p in props(example, "AWS::EKS::Addon")}
+    agent = addons["eks-node-monitoring-agent"]
+    assert "PodIdentityAssociations" not in agent  # it calls the Kubernetes API and IMDS only
+    # Its DCGM host engine tolerates no taint by default: the GPU nodes' would keep it, and XIDs, away.
+    assert json.loads(agent["ConfigurationValues"]) == {"dcgmAgent": {"tolerations": [{"operator": "Exists"}]}}
+    groups = props(example, "AWS::EKS::Nodegroup")
+    accelerated = [g.get("NodeRepairConfig") for g in groups if g["Labels"][NODE_ROLE_LABEL] == ACCELERATED_ROLE]
+    assert len(accelerated) == len(example.config.accelerated_node_groups)
+    assert all(repair == {"Enabled": True} for repair in accelerated)
+
+
+def test_node_repair_and_the_monitoring_agent_can_be_turned_off(synth):
+    result = synth(config_variant(**{"cluster.node_monitoring_agent": False,
+                                     "accelerated_node_groups.0.node_auto_repair": False}))
+    assert "eks-node-monitoring-agent" not in {p["AddonName"] for p in props(result, "AWS::EKS::Addon")}
+    # Said explicitly: a property left out would not turn off the repair a previous deploy enabled.
+    assert {"Enabled": False} in [p.get("NodeRepairConfig") for p in props(result, "AWS::EKS::Nodegroup")]
 
 
 def test_monitoring_can_be_turned_off(synth):

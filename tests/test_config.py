@@ -48,7 +48,7 @@ def test_example_config_is_valid():
         pytest.param(
             {"accelerated_node_groups.0.spot": True},
             "accelerated_node_groups[0].spot: unknown key; allowed keys here: capacity_reservation, capacity_type, "
-            "desired_size, efa, instance_type, max_size, min_size, name, placement_group",
+            "desired_size, efa, instance_type, max_size, min_size, name, node_auto_repair, placement_group",
             id="unknown-node-group-key",
         ),
         pytest.param(

@@ -225,6 +225,8 @@ def test_add_on_versions_are_checked_against_what_eks_offers_and_defaults_are_na
         "aws-ebs-csi-driver": offered("aws-ebs-csi-driver", "v1.50.0-eksbuild.1", default="v1.50.0-eksbuild.1"),
         "amazon-cloudwatch-observability": offered("amazon-cloudwatch-observability", "v4.5.0-eksbuild.1",
                                                    default="v4.5.0-eksbuild.1"),
+        # Not offered (a Region or minor without it): the deploy's add-on would fail; preflight says so first.
+        "eks-node-monitoring-agent": offered("eks-node-monitoring-agent"),
     }
     with Stubber(eks) as stub:
         for addon in PLATFORM_ADDONS:
@@ -235,3 +237,6 @@ def test_add_on_versions_are_checked_against_what_eks_offers_and_defaults_are_na
     proxy = checks["add-on kube-proxy v1.34.6-eksbuild.2"]
     assert not proxy.passed and proxy.fix == "pin one of v1.34.1-eksbuild.2 in versions.addons.kube-proxy"
     assert checks["add-on aws-fsx-csi-driver"].detail == "not pinned: EKS would install v1.7.0-eksbuild.1"
+    monitoring_agent = checks["add-on eks-node-monitoring-agent"]
+    assert not monitoring_agent.passed
+    assert monitoring_agent.fix == "no version of eks-node-monitoring-agent is offered for Kubernetes 1.34"

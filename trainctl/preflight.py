@@ -13,7 +13,7 @@ from config.versions import ADDON_VERSIONS
 
 # The EKS add-ons the cluster stack creates (cdk_constructs/cluster_addons.py).
 PLATFORM_ADDONS = ("eks-pod-identity-agent", "vpc-cni", "kube-proxy", "coredns", "aws-fsx-csi-driver",
-                   "aws-ebs-csi-driver", "amazon-cloudwatch-observability")
+                   "aws-ebs-csi-driver", "amazon-cloudwatch-observability", "eks-node-monitoring-agent")
 
 BOOTSTRAP_STACK = "CDKToolkit"
 # EC2 vCPU quotas by instance family (Service Quotas codes for On-Demand and Spot).
@@ -115,6 +115,8 @@ def addon_checks(config: PlatformConfig, eks) -> list[Check]:
     checks = []
     for addon in PLATFORM_ADDONS:
         if addon == "amazon-cloudwatch-observability" and not config.monitoring.enabled:
+            continue
+        if addon == "eks-node-monitoring-agent" and not config.cluster.node_monitoring_agent:
             continue
         pinned = config.versions.addons.get(addon) or ADDON_VERSIONS[minor].get(addon)
         offered, default = [], None
