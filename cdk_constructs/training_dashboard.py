@@ -56,6 +56,11 @@ class TrainingDashboard(Construct):
             retention=props.log_retention, removal_policy=RemovalPolicy.RETAIN)
         self.samples_per_s = self._from_trainer_logs("SamplesPerSecond", "samples_per_s")
         self.loss = self._from_trainer_logs("Loss", "loss")
+        # Every rank's own step time (input wait and forward passes, training/loop/stragglers.py): the
+        # median and the slowest; a gap between them that stays is a straggler, which is also counted.
+        self.rank_step_median = self._from_trainer_logs("RankStepSecondsMedian", "rank_step_s.median")
+        self.rank_step_max = self._from_trainer_logs("RankStepSecondsMax", "rank_step_s.max")
+        self.stragglers = self._from_trainer_logs("StragglersNamed", None, event="straggler")
 
         gpu_util = self._insights("node_gpu_utilization", "Average", "GPU utilization (mean)")
         neuron_util = self._insights("node_neuroncore_utilization", "Average", "NeuronCore utilization (mean)")
@@ -72,6 +77,12 @@ class TrainingDashboard(Construct):
                            right=[self.loss], width=12),
             cw.GraphWidget(title="Accelerator utilization %", left=[gpu_util, neuron_util],
                            left_y_axis=cw.YAxisProps(min=0, max=100), width=12),
+        )
+        self.dashboard.add_widgets(
+            cw.GraphWidget(title="Ranks' own step time (s: input wait and forward), median and slowest",
+                           left=[self.rank_step_median.with_(label="median rank"),
+                                 self.rank_step_max.with_(label="slowest rank")],
+                           right=[self.stragglers.with_(statistic="Sum", label="stragglers named")], width=24),
         )
         self.dashboard.add_widgets(
             cw.GraphWidget(title="Nodes: " + ", ".join(
@@ -111,14 +122,15 @@ class TrainingDashboard(Construct):
         return cw.MathExpression(expression=f"{name} / PERIOD({name})", using_metrics={name: total}, label=label,
                                  period=PERIOD)
 
-    def _from_trainer_logs(self, name: str, field: str) -> cw.Metric:
-        """A metric from rank 0's step lines in the jobs namespace (see the module docstring)."""
+    def _from_trainer_logs(self, name: str, field: str | None, event: str = "step") -> cw.Metric:
+        """A metric from rank 0's ``event`` lines in the jobs namespace (see the module docstring):
+        ``field``'s value, or 1 per line when ``field`` is None."""
         logs.MetricFilter(
             self, f"{name}Filter", log_group=self.application_logs, metric_namespace=TRAINER_NAMESPACE,
-            metric_name=name, metric_value=f"$.log_processed.{field}",
+            metric_name=name, metric_value=f"$.log_processed.{field}" if field else "1",
             filter_pattern=logs.FilterPattern.all(
                 logs.FilterPattern.string_value("$.kubernetes.namespace_name", "=", self._props.jobs_namespace),
-                logs.FilterPattern.string_value("$.log_processed.event", "=", "step")))
+                logs.FilterPattern.string_value("$.log_processed.event", "=", event)))
         return cw.Metric(namespace=TRAINER_NAMESPACE, metric_name=name, statistic="Average", period=PERIOD)
 
     # --- alarms ----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from k8s_charts.volcano import Action, Event, LifecyclePolicy, VolcanoJob, Volca
 from training.contract import (
     DATASETS_DIR, FSX_MOUNT, EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, LAUNCH_ENVIRONMENT,
     LAUNCHER_ENTRY, LAUNCHER_MOUNT, PLATFORM_APP_DIR, PLATFORM_TUNING, SPOT_NOTICE_ENV, TRAINER_MODULE, cache_dir,
-    client_tls_environment, launch_command, launcher_copy_command,
+    client_tls_environment, launch_command, launcher_copy_command, INSTANCE_TYPE_ENV, NODE_NAME_ENV, POD_NAME_ENV,
 )
 
 # Kept free on every node for the kubelet, the OS and the platform's DaemonSets.
@@ -188,6 +188,9 @@ def _shared_volumes(memory_gib: int) -> tuple[list[dict], list[dict]]:
 def _downward_env() -> list[dict]:
     return [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        # Where each rank runs, named in the trainer's straggler events (training/loop/stragglers.py).
+        {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         # Volcano names a job's PodGroup <job>-<uid>: unique for every submission. With the job
         # version it is unique for every incarnation: a pod replaced alone keeps both and joins
         # the running round; a whole-job restart gets a fresh, open one.
@@ -254,7 +257,7 @@ class _VolcanoJobChart(Chart):
         efa = spec.efa_devices(config) > 0
         env = {**nccl_environment(efa, rdma=instance.efa_rdma),
                **cache_environment(spec, config), **LAUNCH_ENVIRONMENT, **client_tls_environment(),
-               "OMP_NUM_THREADS": "1",
+               "OMP_NUM_THREADS": "1", INSTANCE_TYPE_ENV: instance.name,
                **spot_environment(group), **spec.program_environment(), **(extra_env or {}), **spec.env}
         labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "training-platform"}
         pod_security, container_security = restricted_pod_security()

@@ -46,6 +46,7 @@ def test_the_dashboard_shows_accelerators_efa_fsx_nodes_and_job_throughput(clust
     body = json.loads(dashboard_body(cluster_template).replace('"<token>"', '"x"').replace("<token>", "x"))
     titles = [w["properties"].get("title", "") for w in body["widgets"]]
     assert titles == ["Job throughput (rank 0's samples/s)", "Accelerator utilization %",
+                      "Ranks' own step time (s: input wait and forward), median and slowest",
                       "Nodes: GPU (p4d), Neuron (trn1), all", "EFA traffic (bytes/s)",
                       "FSx for Lustre throughput (bytes/s)", "Waste alarms"]
     text = json.dumps(body)
@@ -84,7 +85,14 @@ def test_job_throughput_comes_from_rank_0s_step_lines_in_the_application_log_gro
     assert group["Properties"]["RetentionInDays"] == 30 and group["DeletionPolicy"] == "Retain"
     filters = {f["Properties"]["MetricTransformations"][0]["MetricName"]: f["Properties"]
                for f in resources(cluster_template, "AWS::Logs::MetricFilter").values()}
-    assert set(filters) == {"SamplesPerSecond", "Loss"}
+    assert set(filters) == {"SamplesPerSecond", "Loss", "RankStepSecondsMedian", "RankStepSecondsMax",
+                            "StragglersNamed"}
+    # The spread of the ranks' own step times (the step line's rank_step_s), and 1 per straggler line.
+    assert filters["RankStepSecondsMax"]["MetricTransformations"][0]["MetricValue"] == (
+        "$.log_processed.rank_step_s.max")
+    assert filters["StragglersNamed"]["MetricTransformations"][0]["MetricValue"] == "1"
+    assert filters["StragglersNamed"]["FilterPattern"] == (
+        '{ ($.kubernetes.namespace_name = "training") && ($.log_processed.event = "straggler") }')
     assert filters["SamplesPerSecond"]["FilterPattern"] == (
         '{ ($.kubernetes.namespace_name = "training") && ($.log_processed.event = "step") }')
     assert filters["SamplesPerSecond"]["MetricTransformations"][0]["MetricValue"] == "$.log_processed.samples_per_s"

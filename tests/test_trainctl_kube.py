@@ -38,9 +38,14 @@ RANK0_LOG = "\n".join([
     json.dumps({"event": "checkpoint_saved", "time": 21.0, "step": 1000,
                 "path": "/fsx/checkpoints/resnet50-imagenet/step-000001000.pt", "bytes": 204800000,
                 "write_s": 2.1, "blocking_s": 0.3, "steps_during_write": 40}),
+    json.dumps({"event": "straggler", "time": 21.5, "step": 1000, "rank": 11, "pod": "resnet50-imagenet-worker-1",
+                "node": "ip-10-0-1-23.ec2.internal", "instance": "p4d.24xlarge", "own_step_s": 0.031,
+                "median_s": 0.021, "times_median": 1.48, "windows": 2}),
     json.dumps({"event": "step", "time": 22.0, "step": 1010, "epoch": 0, "loss": 4.87, "lr": 0.79,
                 "samples_per_s": 41200.5, "samples_per_s_per_device": 2575.0, "step_time_s": 0.0497,
-                "data_wait_pct": 1.1, "peak_memory_gib": 30.1, "world_size": 16, "restart_count": 1, "mfu": 0.41}),
+                "data_wait_pct": 1.1, "peak_memory_gib": 30.1, "world_size": 16, "restart_count": 1, "mfu": 0.41,
+                "rank_step_s": {"min": 0.0198, "median": 0.021, "max": 0.0312}, "slowest_rank": 11,
+                "slowest_pod": "resnet50-imagenet-worker-1", "slowest_node": "ip-10-0-1-23.ec2.internal"}),
 ]) + "\n"
 
 
@@ -214,6 +219,11 @@ def test_status_shows_phase_pods_rendezvous_last_metrics_and_newest_checkpoint(a
     assert report == snapshot
     assert "last step: 1010 (epoch 0), loss 4.87, 41200.5 samples/s" in report
     assert "newest checkpoint: /fsx/checkpoints/resnet50-imagenet/step-000001000.pt (step 1000)" in report
+    # Every rank's own step time, and the straggler the trainer named, with where it runs.
+    assert ("ranks' own step time: min 0.0198 s, median 0.021 s, max 0.0312 s (rank 11, pod "
+            "resnet50-imagenet-worker-1)") in report
+    assert ("straggler at step 1000: rank 11, pod resnet50-imagenet-worker-1, node ip-10-0-1-23.ec2.internal, "
+            "p4d.24xlarge: 1.48 times the median's own step time for 2 reports") in report
 
 
 def test_list_cancel_and_logs_by_rank(api):

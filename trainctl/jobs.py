@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import yaml
 
@@ -215,6 +215,7 @@ class JobStatus:
     last_step: dict | None
     checkpoint: dict | None
     waiting: list[str]
+    stragglers: list[dict] = field(default_factory=list)  # the trainer's straggler events, newest last
 
     @property
     def finished(self) -> bool:
@@ -225,7 +226,7 @@ class JobStatus:
         return {"name": self.name, "phase": self.phase, "finished": self.finished,
                 "pods": [dict(zip(("pod", "node", "phase", "restarts"), row, strict=True)) for row in self.pods],
                 "rendezvous": self.rendezvous, "last_step": self.last_step, "checkpoint": self.checkpoint,
-                "waiting": self.waiting}
+                "waiting": self.waiting, "stragglers": self.stragglers}
 
     def format(self) -> str:
         lines = [f"job {self.name}: {self.phase}", "pods:"]
@@ -239,6 +240,14 @@ class JobStatus:
             s = self.last_step
             lines.append(f"last step: {s['step']} (epoch {s['epoch']}), loss {s['loss']}, "
                          f"{s['samples_per_s']} samples/s, {s['step_time_s']} s/step")
+            if s.get("rank_step_s"):
+                spread = s["rank_step_s"]
+                lines.append(f"ranks' own step time: min {spread['min']} s, median {spread['median']} s, max "
+                             f"{spread['max']} s (rank {s['slowest_rank']}, pod {s.get('slowest_pod', '-')})")
+        for e in self.stragglers[-3:]:
+            lines.append(f"straggler at step {e['step']}: rank {e['rank']}, pod {e['pod']}, node {e['node']}"
+                         f"{', ' + e['instance'] if e.get('instance') else ''}: {e['times_median']} times the "
+                         f"median's own step time for {e['windows']} reports")
         if self.checkpoint:
             lines.append(f"newest checkpoint: {self.checkpoint['path']} (step {self.checkpoint['step']})")
         if self.waiting:
@@ -265,7 +274,9 @@ def status(jobs: Jobs, name: str, tail: int = 2000) -> JobStatus:
     phase = (job.get("status") or {}).get("state", {}).get("phase", "Pending")
     pending = phase == "Pending" or any(row[2] == "Pending" for row in rows)
     waiting = jobs.why_waiting(name) if pending else []
-    return JobStatus(name, phase, rows, last("rendezvous"), last("step"), last("checkpoint_saved"), waiting)
+    stragglers = [e for e in events if e["event"] == "straggler"]
+    return JobStatus(name, phase, rows, last("rendezvous"), last("step"), last("checkpoint_saved"), waiting,
+                     stragglers)
 
 
 def metrics_events(log_text: str) -> list[dict]:

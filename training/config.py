@@ -169,6 +169,10 @@ class MetricsSection(StrictModel):
     tensorboard_dir: str | None = None
     # Debugging and tests: each rank appends the sample ids of every micro-batch here.
     sample_log_dir: str | None = None
+    # A rank whose own step time (its input wait and forward passes, training/loop/stragglers.py) is
+    # over the median's by this fraction in this many reports in a row is named in a straggler event.
+    straggler_margin: float = Field(0.25, gt=0)
+    straggler_windows: int = Field(2, ge=1)
 
 
 # ILSVRC-2012: training and validation images; a synthetic held-out split keeps their proportion.

@@ -116,6 +116,11 @@ STOP_BUDGET_ENV = "PLATFORM_STOP_BUDGET_S"  # seconds a SIGTERM leaves the worke
 SPOT_NOTICE_ENV = "PLATFORM_SPOT_NOTICE"  # "imds": watch for the two-minute Spot interruption notice
 IMDS_ENDPOINT_ENV = "PLATFORM_IMDS_ENDPOINT"  # the instance metadata service; tests point it at loopback
 AGENT_PID_ENV = "PLATFORM_AGENT_PID"  # the launcher's pid: a worker whose parent is not it is an orphan
+# Where a rank runs, named in its straggler events (training/loop/stragglers.py): the pod's name and
+# its node's from the downward API, the instance type from the job's node group.
+POD_NAME_ENV = "PLATFORM_POD_NAME"
+NODE_NAME_ENV = "PLATFORM_NODE_NAME"
+INSTANCE_TYPE_ENV = "PLATFORM_INSTANCE_TYPE"
 # A file the packaged trainer touches when it has trained (its first step of a round, then every report):
 # the rendezvous counts a round's training time from there before it admits waiting nodes.
 PROGRESS_FILE_ENV = "PLATFORM_PROGRESS_FILE"

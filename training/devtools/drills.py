@@ -9,11 +9,15 @@ these records; ``benchmarks/elastic_recovery.py`` prints them as the cost table 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
+import signal
+import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from training.devtools.local_cluster import Agent, LocalEtcd, LocalEtcdCluster, read_events, wait_until
@@ -410,13 +414,18 @@ def lost_node_drill(work: Path, agents: int, moment: str = MOMENTS[0], in_place:
         # An evaluation of a few seconds every EVAL_EVERY steps (the drills' default has none).
         args = [a for a in args if a != "--eval.enabled=false"]
         args += [f"--eval.every_steps={EVAL_EVERY}", "--eval.synthetic_samples=200000", "--eval.batch_size=512"]
+    # The shipped tuning, but a first round that waits for agents started seconds apart on a busy
+    # machine: it completes as soon as all have joined (max_nodes), so the wait costs nothing otherwise.
+    # With the 2 s default, the first agent once trained the whole job alone (the GPU check's lost-node case
+    # on a loaded 2-core machine, 2026-11-27).
+    first_round_together = replace(PLATFORM_TUNING, last_call_timeout=60.0)
     running: list[Agent] = []
     with LocalEtcd() as endpoint:
         try:
             for index in range(agents):
                 node_env = {**env, "NCCL_HOSTID": f"lost-node-drill-{index}"} if device == "cuda" else env
                 running.append(Agent(f"n{index:02d}", endpoint, "lost-node", work, args, min_nodes=1, max_nodes=agents,
-                                     max_restarts=100, tuning=PLATFORM_TUNING, env=node_env))
+                                     max_restarts=100, tuning=first_round_together, env=node_env))
             wait_until(lambda: len([e for e in events(work, "step") if e["world_size"] == agents]) >= 30,
                        f"a world of {agents} training", timeout_s, running, poll=0.2)
             wait_until(lambda: _kill_moment(work, moment), moment, timeout_s, running, poll=0.02)
@@ -468,3 +477,107 @@ def _kill_moment(work: Path, moment: str) -> bool:
         return last["step"] % EVAL_EVERY == 0 and time.time() - last["time"] > 0.3
     # Halfway between two checkpoints, or a little later: a fast job's steps outrun the polling.
     return INTERVAL // 2 <= last["step"] % INTERVAL < INTERVAL - 4
+
+
+# The drills' margin over the median. On 2 shared cores scheduling alone puts the slowest rank of a
+# healthy window at up to 1.27 times the median with 64 px inputs (12 windows, 4 agents; 1.44 at the
+# p99 of 108 windows with 16 px ones, 2026-11-27); a node given a quarter of the CPU shows 1.8 to 2.4.
+# The shipped default (0.25) is for real nodes, each with cores of its own.
+STRAGGLER_DRILL_MARGIN = 0.5
+
+
+@dataclass
+class StragglerResult:
+    """What :func:`straggler_drill` saw: the slowed node's pod, and the straggler events before and after."""
+
+    slowed_pod: str = ""
+    slowed_at_step: int | None = None
+    named_healthy: list[dict] = field(default_factory=list)  # straggler events before the slowdown
+    named_slowed: list[dict] = field(default_factory=list)  # straggler events after it
+    windows_to_name: int | None = None  # reports from the slowdown's start to the one naming it, that one included
+    log_every_steps: int = 0
+    exit_codes: dict[str, int] = field(default_factory=dict)
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def throttle(pids: list[int], stop: threading.Event, share: float = 0.25, period_s: float = 0.02) -> None:
+    """Let ``pids`` run ``share`` of every ``period_s`` and stop them for the rest, as a cgroup's CPU
+    quota does (cpu.max: a quota per period, then the group waits), until ``stop`` is set."""
+    try:
+        while not stop.is_set():
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            time.sleep(period_s * share)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            time.sleep(period_s * (1 - share))
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def straggler_drill(work: Path, agents: int = 4, healthy_s: float = 20, slowed_s: float = 20,
+                    log_every_steps: int = 20, share: float = 0.25, margin: float = STRAGGLER_DRILL_MARGIN,
+                    image_size: int = 64) -> StragglerResult:
+    """``agents`` nodes train; after ``healthy_s`` one node's workers (not rank 0's) get ``share`` of
+    the CPU time they would have (stopped and continued in turn, as a CPU quota does) for ``slowed_s``.
+    Each node's pod name is its agent's name. Returns the straggler events before and after."""
+    from training.contract import POD_NAME_ENV
+
+    work.mkdir(parents=True, exist_ok=True)
+    result = StragglerResult(log_every_steps=log_every_steps)
+    # A forward pass of some milliseconds (the drills' MLP on 64 px inputs): the quota's periods then
+    # stretch each one, as a throttled device stretches every kernel.
+    args = [*trainer_args(work, 50_000_000), f"--train.log_every_steps={log_every_steps}",
+            f"--metrics.straggler_margin={margin}", f"--model.image_size={image_size}"]
+    running: list[Agent] = []
+    with LocalEtcd() as endpoint:
+        try:
+            for index in range(agents):
+                running.append(Agent(f"n{index:02d}", endpoint, "stragglers", work, args, min_nodes=agents,
+                                     max_nodes=agents, env={POD_NAME_ENV: f"n{index:02d}"}))
+            wait_until(lambda: [e for e in events(work, "step") if e["world_size"] == agents], "training", 300,
+                       running)
+            time.sleep(healthy_s)
+            victim = running[-1]
+            result.slowed_pod = victim.name
+            result.named_healthy = events(work, "straggler")
+            result.slowed_at_step = events(work, "step")[-1]["step"]
+            slowed_since = time.time()
+            stop = threading.Event()
+            slowing = threading.Thread(target=throttle, args=(_descendants(victim.proc.pid), stop, share), daemon=True)
+            slowing.start()
+            try:
+                time.sleep(slowed_s)
+            finally:
+                stop.set()
+                slowing.join()
+            result.named_slowed = [e for e in events(work, "straggler") if e["time"] > slowed_since]
+            if result.named_slowed:
+                named_at = result.named_slowed[0]["step"]
+                result.windows_to_name = len([e for e in events(work, "step")
+                                              if e["time"] > slowed_since and e["step"] <= named_at])
+        finally:
+            for agent in running:
+                agent.stop()
+                result.exit_codes[agent.name] = agent.proc.returncode
+    return result

@@ -45,6 +45,7 @@ from training.loop.rank_zero_io import RankZeroIO, file_bytes, tensor_bytes
 from training.loop.save_policy import SavePolicy
 from training.loop.resume import decide
 from training.loop.state import Progress, TrainState, flops_key, rng_state, seed_all, set_rng_state, signature
+from training.loop.stragglers import ForwardTimer, Place, Spread, StragglerWatch, spread_slots
 from training.models import build_model
 from training.data.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
 
@@ -118,6 +119,9 @@ class Trainer:
             self.guard = GroupGuard(self.runtime.device, self.runtime.backend)
             self.ledger = StepLedger(self.module, self.runtime.device)
         self.recovers = self.guard is not None
+        # Every rank's own step time, each report; a rank far behind the median is named (stragglers.py).
+        self.forward_timer = ForwardTimer(self.runtime.device)
+        self.stragglers = StragglerWatch(config.metrics.straggler_margin, config.metrics.straggler_windows)
         self.optimizer = build_optimizer(self.module, config.optim, fused=self.recovers)
         vocab = getattr(getattr(self.module, "size", None), "vocab", None)
         self.decoder = build_decoder(config.data.decode, self.runtime.kind) if config.data.kind == "imagefolder" else None
@@ -178,6 +182,10 @@ class Trainer:
         self.attempt = self._agree_on_attempt_id()
         self.rank_zero_io = RankZeroIO.for_group(f"checkpoint-io/{self.attempt}", checkpoint.min_throughput_mb_s,
                                                  self.runtime.collective_device)
+        # Where each rank of this round runs, for the step events and straggler events (once per round).
+        self.places = all_gather_objects(Place.here(), self.runtime.collective_device) if self.distributed \
+            else [Place.here()]
+        self.stragglers.reset()
         resume_event = self._resume_from_peer()
         if resume_event is None:
             resume_event = self._resume()
@@ -441,6 +449,7 @@ class Trainer:
             log.warning("stop requested during startup")
         self.runtime.synchronize()  # the first window starts with nothing queued on the device
         run.window = _Window()
+        self.forward_timer.take_s()  # the forward passes of a round before this one are not this window's
         slots = self._batch_slots()
         if run.paced_gc:
             gc.collect(1)
@@ -721,9 +730,11 @@ class Trainer:
                     self._log_samples(ids, skipped)
             no_sync = self.model.no_sync() if self.distributed and not final else contextlib.nullcontext()
             with no_sync:
+                self.forward_timer.start()
                 with self.runtime.autocast(self.precision):
                     losses = per_sample_loss(self.model, batch.inputs, batch.target, masked_lm,
                                              cfg.data.masked_per_sequence, batch.attention_mask, cfg.label_smoothing)
+                self.forward_timer.stop()
                 loss = (losses * batch.weight.to(losses.dtype)).sum() * scale
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach() / self.world_size
@@ -790,12 +801,18 @@ class Trainer:
         self._check_finite()
         totals = torch.stack([window.loss_sum.float().reshape(()),
                               torch.tensor(float(self._bad_pending), device=self.runtime.device)])
+        spread = self.distributed and self.forward_timer.measures
+        if spread:  # this rank's own step time rides on the window's one all-reduce
+            self.runtime.synchronize()  # the window's forward passes have run: their events can be read
+            own_step_s = (window.data_wait + self.forward_timer.take_s()) / window.steps
+            totals = torch.cat([totals, spread_slots(own_step_s, self.rank, self.world_size, self.runtime.device)])
         if self.distributed:
             dist.all_reduce(totals)
         self.runtime.synchronize()
-        loss_total, bad = totals.tolist()
+        loss_total, bad, *per_rank = totals.tolist()
         self._check_group()
         self._count_bad_samples(bad)
+        rank_fields = self._rank_spread(per_rank) if spread else {}
         # Wall clock between two synchronized points: the device has finished every step of the
         # window (a CPU-side timer around each step would miss the work still queued on a GPU).
         elapsed = window.elapsed()
@@ -813,11 +830,24 @@ class Trainer:
             data_wait_pct=round(100 * window.data_wait / elapsed, 2) if elapsed else 0.0,
             peak_memory_gib=round(peak / 2**30, 3) if peak else None,
             world_size=self.world_size, restart_count=self.membership.restart_count,
-            mfu=round(mfu, 6) if mfu is not None else None, bad_samples=self.progress.bad_samples,
+            mfu=round(mfu, 6) if mfu is not None else None, bad_samples=self.progress.bad_samples, **rank_fields,
         )
         window.reset()
         self._report_progress()
         return mean_loss
+
+    def _rank_spread(self, per_rank: list[float]) -> dict[str, Any]:
+        """The step event's spread of the ranks' own step times; a ``straggler`` event for a rank
+        that stayed over the median by the configured margin."""
+        for rank, times_median in self.stragglers.observe(per_rank):
+            place = self.places[rank]
+            log.warning("rank %d (pod %s, node %s) is a straggler: its own step time is %.2f times the median's "
+                        "for %d reports", rank, place.pod, place.node, times_median, self.stragglers.windows)
+            self.metrics.event("straggler", step=self.progress.step, rank=rank, pod=place.pod, node=place.node,
+                               instance=place.instance, own_step_s=round(per_rank[rank], 4),
+                               median_s=round(Spread.of(per_rank).median_s, 4), times_median=round(times_median, 2),
+                               windows=self.stragglers.windows)
+        return Spread.of(per_rank).fields(self.places)
 
     def _report_progress(self) -> None:
         """Tell this node's agent that the round is training (the file's time is what it reads)."""
