@@ -495,7 +495,6 @@ class StragglerResult:
     named_healthy: list[dict] = field(default_factory=list)  # straggler events before the slowdown
     named_slowed: list[dict] = field(default_factory=list)  # straggler events after it
     windows_to_name: int | None = None  # reports from the slowdown's start to the one naming it, that one included
-    log_every_steps: int = 0
     exit_codes: dict[str, int] = field(default_factory=dict)
 
 
@@ -544,7 +543,7 @@ def straggler_drill(work: Path, agents: int = 4, healthy_s: float = 20, slowed_s
     from training.contract import POD_NAME_ENV
 
     work.mkdir(parents=True, exist_ok=True)
-    result = StragglerResult(log_every_steps=log_every_steps)
+    result = StragglerResult()
     # A forward pass of some milliseconds (the drills' MLP on 64 px inputs): the quota's periods then
     # stretch each one, as a throttled device stretches every kernel.
     args = [*trainer_args(work, 50_000_000), f"--train.log_every_steps={log_every_steps}",

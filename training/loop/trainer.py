@@ -839,15 +839,16 @@ class Trainer:
     def _rank_spread(self, per_rank: list[float]) -> dict[str, Any]:
         """The step event's spread of the ranks' own step times; a ``straggler`` event for a rank
         that stayed over the median by the configured margin."""
+        spread = Spread.of(per_rank)
         for rank, times_median in self.stragglers.observe(per_rank):
             place = self.places[rank]
             log.warning("rank %d (pod %s, node %s) is a straggler: its own step time is %.2f times the median's "
                         "for %d reports", rank, place.pod, place.node, times_median, self.stragglers.windows)
             self.metrics.event("straggler", step=self.progress.step, rank=rank, pod=place.pod, node=place.node,
                                instance=place.instance, own_step_s=round(per_rank[rank], 4),
-                               median_s=round(Spread.of(per_rank).median_s, 4), times_median=round(times_median, 2),
+                               median_s=round(spread.median_s, 4), times_median=round(times_median, 2),
                                windows=self.stragglers.windows)
-        return Spread.of(per_rank).fields(self.places)
+        return spread.fields(self.places)
 
     def _report_progress(self) -> None:
         """Tell this node's agent that the round is training (the file's time is what it reads)."""
