@@ -19,6 +19,8 @@ Each case runs the real command as a subprocess and passes only on what it obser
   memory, no step trained again, every sample once to the end of the epoch
   (training/loop/lost_peer.py); on a GPU also the same with ``PLATFORM_REGROUP_IN_PLACE=0``, the
   restart from the checkpoint it replaces;
+- ``node check`` (on a GPU): the node check's probes (training/node_check) on the real nvidia-smi,
+  its GPUs against torch's count, and the kernel log and DCGM's level 1 where the machine allows;
 - ``rates``: the trainer through the launcher, a bare DDP loop under torchrun (NCCL, world 1) and a
   bare loop without a process group, all on the same GPU, eager and compiled: samples/s by wall clock
   between synchronized points (the trainer's step events follow a device sync), and the ratios.
@@ -237,6 +239,35 @@ def lost_node(report: Report, device: str, work: Path) -> None:
         report.add(Case(name, ok, time.monotonic() - started, detail, str(work)))
 
 
+def node_check(report: Report) -> None:
+    """The node check's probes on this GPU machine's real tools (training/node_check): nvidia-smi's GPUs
+    against torch's count; the kernel log and DCGM where this machine lets the check read or run them."""
+    import torch
+
+    from training.node_check import checks, probes
+
+    started = time.monotonic()
+    try:
+        smi = probes.nvidia_smi()
+    except probes.ToolMissing as missing:
+        report.add(Case("node check", False, time.monotonic() - started, str(missing)))
+        return
+    gpus = checks.nvidia_gpus(smi.text, smi.returncode, torch.cuda.device_count())
+    notes = [f"{gpus.check}: {gpus.detail}"]
+    busy = checks.gpu_processes(probes.nvidia_compute_apps().text)
+    notes.append(f"{len(busy)} process(es) on the GPUs")
+    try:
+        notes.append(f"xid: {checks.kernel_xids(probes.kernel_log()).detail}")
+    except OSError as exc:  # a container without CAP_SYSLOG or /dev/kmsg: the DaemonSet's pod has both
+        notes.append(f"kernel log not readable here ({exc.strerror})")
+    try:
+        dcgm = probes.dcgm_diag(1)
+        notes.append(f"dcgm: {checks.dcgm_diag(dcgm.text, dcgm.returncode, 1).detail}")
+    except probes.ToolMissing as missing:
+        notes.append(f"dcgm not run: {missing}")
+    report.add(Case("node check", gpus.passed, time.monotonic() - started, "; ".join(notes), smi.text[-2000:]))
+
+
 def bare_rate(sizes: Sizes, device: str, compiled: bool, ddp: bool, work: Path, name: str) -> tuple[float | None, str]:
     """A bare loop in a process of its own: under torchrun (world 1) with DDP, or alone."""
     spec = {"sizes": asdict(sizes), "device": device, "compiled": compiled, "ddp": ddp,
@@ -331,6 +362,8 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=args.out))
     measured = sizes.warmup + sizes.steps
     lost_node(report, device, scratch / "lost-node")  # first: the newest path, and a quick one
+    if device == "cuda":
+        node_check(report)
     with LocalEtcd() as endpoint:
         for mode in ("eager", "compiled") if sizes.compiled else ("eager",):
             work = scratch / f"pod-{mode}"

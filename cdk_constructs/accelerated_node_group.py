@@ -24,7 +24,7 @@ from config.catalog import (
     ACCELERATED_ROLE, ACCELERATOR_LABEL, EFA_PRESENT_LABEL, GPU_TYPE_LABEL, INSTANCE_TYPE_LABEL, NODE_GROUP_LABEL,
     NODE_ROLE_LABEL, InstanceType,
 )
-from training.contract import ACCELERATOR_TAINT_EFFECT
+from training.contract import ACCELERATOR_TAINT_EFFECT, NODE_CHECK_TAINT, NODE_CHECK_TAINT_VALUE
 
 CA_TEMPLATE = "k8s.io/cluster-autoscaler/node-template"
 
@@ -79,6 +79,9 @@ class AcceleratedNodeGroupProps:
     # EKS node auto repair: a node reported unhealthy (NodeConditions of the node monitoring agent, or
     # NotReady) is rebooted or replaced by the managed node group.
     auto_repair: bool = True
+    # Nodes register with the node check's taint (contract.NODE_CHECK_TAINT): no job lands before the
+    # platform's check passed them (k8s_charts/node_check.py).
+    node_check: bool = True
 
 
 class AcceleratedNodeGroup(Construct):
@@ -116,7 +119,9 @@ class AcceleratedNodeGroup(Construct):
             node_role=props.node_role,
             min_size=props.min_size, desired_size=size.desired_size, max_size=props.max_size,
             labels=node_labels(props.name, instance, props.efa),
-            taints=[eks.TaintSpec(key=key, value=value, effect=eks.TaintEffect.NO_SCHEDULE)],
+            taints=[eks.TaintSpec(key=key, value=value, effect=eks.TaintEffect.NO_SCHEDULE),
+                    *([eks.TaintSpec(key=NODE_CHECK_TAINT, value=NODE_CHECK_TAINT_VALUE,
+                                     effect=eks.TaintEffect.NO_SCHEDULE)] if props.node_check else [])],
             # NodeRepairConfig.Enabled, with EKS's own thresholds and actions (a node whose accelerators are
             # reported unhealthy is rebooted or replaced after 10 minutes, one NotReady for 30 is replaced).
             enable_node_auto_repair=props.auto_repair,

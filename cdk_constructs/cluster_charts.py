@@ -1,7 +1,8 @@
 """Pinned upstream Helm charts the platform installs through the cluster's kubectl provider.
 
-Device plugins run only where their device is and tolerate that node's taint; the
-controllers run on system nodes. What each chart does with our values was read in the chart
+Device plugins run only where their device is and tolerate that node's taints, the node check's
+too (contract.NODE_CHECK_TAINT: the check waits for the devices they advertise); the controllers run
+on system nodes. What each chart does with our values was read in the chart
 at its pinned tag (tests/upstream_charts.py holds those facts and the tests hold us to them).
 """
 
@@ -18,6 +19,7 @@ from cdk_constructs.pod_identity import PodIdentityRole
 from config.catalog import ACCELERATOR_LABEL, EFA_PRESENT_LABEL, NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
 from k8s_charts import volcano
 from k8s_charts.pods import Toleration
+from training.contract import NODE_CHECK_TAINT
 
 EKS_CHARTS = "https://aws.github.io/eks-charts"
 SYSTEM_NODES = {NODE_ROLE_LABEL: SYSTEM_ROLE}
@@ -93,7 +95,7 @@ class ClusterCharts(Construct):
                             # list replaces the chart's three.
                             "affinity": require_label(ACCELERATOR_LABEL, Accelerator.NVIDIA.value),
                             "nodeSelector": {ACCELERATOR_LABEL: Accelerator.NVIDIA.value},
-                            "tolerations": [_tolerate("nvidia.com/gpu")],
+                            "tolerations": [_tolerate("nvidia.com/gpu"), _tolerate(NODE_CHECK_TAINT)],
                         })
         if Accelerator.NEURON in families:
             # Chart 1.1.2 keeps its own affinity (instance type among its Neuron types, not Fargate,
@@ -103,7 +105,8 @@ class ClusterCharts(Construct):
                             "npd": {"enabled": False},
                             "devicePlugin": {"enabled": True,
                                              "nodeSelector": {ACCELERATOR_LABEL: Accelerator.NEURON.value},
-                                             "tolerations": [_tolerate("aws.amazon.com/neuron")]},
+                                             "tolerations": [_tolerate("aws.amazon.com/neuron"),
+                                                             _tolerate(NODE_CHECK_TAINT)]},
                             # Off (the chart's default too): jobs are placed by Volcano.
                             "scheduler": {"enabled": False},
                         })
@@ -112,7 +115,8 @@ class ClusterCharts(Construct):
             plugins["aws-efa-k8s-device-plugin"] = self._chart("EfaDevicePlugin", "aws-efa-k8s-device-plugin", EKS_CHARTS,
                         versions.efa_device_plugin, "kube-system", {
                             "nodeSelector": {EFA_PRESENT_LABEL: "true"},
-                            "tolerations": [_tolerate("nvidia.com/gpu"), _tolerate("aws.amazon.com/neuron")],
+                            "tolerations": [_tolerate("nvidia.com/gpu"), _tolerate("aws.amazon.com/neuron"),
+                                            _tolerate(NODE_CHECK_TAINT)],
                         })
         self.volcano = self._volcano(versions.volcano, props.system_nodes)
         # Issues and renews etcd's certificates (k8s_charts/platform_charts.py, EtcdCertificatesChart).

@@ -20,6 +20,8 @@ from aws_cdk import Duration, RemovalPolicy, aws_cloudwatch as cw, aws_cloudwatc
 from aws_cdk import aws_sns as sns
 from constructs import Construct
 
+from training.contract import NODE_CHECK_EVENT
+
 CONTAINER_INSIGHTS = "ContainerInsights"
 TRAINER_NAMESPACE = "ElasticTraining"
 PERIOD = Duration.minutes(5)
@@ -41,6 +43,8 @@ class TrainingDashboardProps:
     gpu_groups: tuple[str, ...]  # node group names, for the titles
     neuron_groups: tuple[str, ...]
     alarm_topic_arn: str | None = None
+    # Where the node check's pods run (k8s_charts/node_check.py); None: no node check, no graph of it.
+    node_check_namespace: str | None = None
 
 
 class TrainingDashboard(Construct):
@@ -61,6 +65,10 @@ class TrainingDashboard(Construct):
         self.rank_step_median = self._from_trainer_logs("RankStepSecondsMedian", "rank_step_s.median")
         self.rank_step_max = self._from_trainer_logs("RankStepSecondsMax", "rank_step_s.max")
         self.stragglers = self._from_trainer_logs("StragglersNamed", None, event="straggler")
+        # Accelerated nodes that failed their node check (training/node_check prints one line per verdict).
+        self.failed_node_checks = None if props.node_check_namespace is None else self._from_trainer_logs(
+            "NodeChecksFailed", None, event=NODE_CHECK_EVENT, namespace=props.node_check_namespace,
+            condition=logs.FilterPattern.boolean_value("$.log_processed.passed", False))
 
         gpu_util = self._insights("node_gpu_utilization", "Average", "GPU utilization (mean)")
         neuron_util = self._insights("node_neuroncore_utilization", "Average", "NeuronCore utilization (mean)")
@@ -82,7 +90,9 @@ class TrainingDashboard(Construct):
             cw.GraphWidget(title="Ranks' own step time (s: input wait and forward), median and slowest",
                            left=[self.rank_step_median.with_(label="median rank"),
                                  self.rank_step_max.with_(label="slowest rank")],
-                           right=[self.stragglers.with_(statistic="Sum", label="stragglers named")], width=24),
+                           right=[self.stragglers.with_(statistic="Sum", label="stragglers named"),
+                                  *([self.failed_node_checks.with_(statistic="Sum", label="nodes that failed their check")]
+                                    if self.failed_node_checks else [])], width=24),
         )
         self.dashboard.add_widgets(
             cw.GraphWidget(title="Nodes: " + ", ".join(
@@ -122,15 +132,18 @@ class TrainingDashboard(Construct):
         return cw.MathExpression(expression=f"{name} / PERIOD({name})", using_metrics={name: total}, label=label,
                                  period=PERIOD)
 
-    def _from_trainer_logs(self, name: str, field: str | None, event: str = "step") -> cw.Metric:
-        """A metric from rank 0's ``event`` lines in the jobs namespace (see the module docstring):
-        ``field``'s value, or 1 per line when ``field`` is None."""
+    def _from_trainer_logs(self, name: str, field: str | None, event: str = "step", namespace: str | None = None,
+                           condition: logs.JsonPattern | None = None) -> cw.Metric:
+        """A metric from ``event`` lines (rank 0's, in the jobs namespace unless ``namespace`` names another;
+        see the module docstring) that meet ``condition``: ``field``'s value, or 1 per line when ``field`` is None."""
         logs.MetricFilter(
             self, f"{name}Filter", log_group=self.application_logs, metric_namespace=TRAINER_NAMESPACE,
             metric_name=name, metric_value=f"$.log_processed.{field}" if field else "1",
             filter_pattern=logs.FilterPattern.all(
-                logs.FilterPattern.string_value("$.kubernetes.namespace_name", "=", self._props.jobs_namespace),
-                logs.FilterPattern.string_value("$.log_processed.event", "=", event)))
+                logs.FilterPattern.string_value("$.kubernetes.namespace_name", "=",
+                                                namespace or self._props.jobs_namespace),
+                logs.FilterPattern.string_value("$.log_processed.event", "=", event),
+                *([condition] if condition else [])))
         return cw.Metric(namespace=TRAINER_NAMESPACE, metric_name=name, statistic="Average", period=PERIOD)
 
     # --- alarms ----------------------------------------------------------------------------

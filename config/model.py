@@ -21,7 +21,7 @@ from config.versions import (
     MIN_VPC_CNI_FOR_EFA_ONLY, autoscaler_minor, semver,
 )
 from training.contract import ETCD_MEMBERS
-from typed_config import FieldProblem, StrictModel
+from typed_config import FieldProblem, StrictModel, raise_problems
 
 # Kubernetes minor versions for which EKS and a pinned kubectl Lambda layer both exist.
 SUPPORTED_KUBERNETES_VERSIONS = ("1.31", "1.32", "1.33", "1.34", "1.35")
@@ -147,6 +147,55 @@ def minor_number(version: str) -> int:
     return int(version.split(".")[1])
 
 
+# A container image as the platform's pods name it: a registry host, then repository path
+# components, then a tag or a digest. Path components are lowercase letters and digits joined by
+# ".", "_", "__" or dashes; only the host and the tag may have capitals (the reference grammar:
+# distribution/reference regexp.go, v0.6.0). Kubernetes passes an image name with capitals to the
+# runtime, whose pull fails: the job would wait in ErrImagePull. Never :latest.
+IMAGE_PATTERN = re.compile(r"^[A-Za-z0-9.-]+(:\d+)?(/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)+"
+                           r"(:[\w][\w.-]{0,127}|@sha256:[0-9a-f]{64})$")
+IMAGE_HELP = ("an image pinned by tag or digest, its repository in lowercase, "
+              "e.g. 123456789012.dkr.ecr.us-west-2.amazonaws.com/trainer:gpu-0.1.0 (not :latest)")
+
+
+def pinned_image(value: str) -> bool:
+    return bool(IMAGE_PATTERN.match(value)) and not value.endswith(":latest")
+
+
+class NodeCheckConfig(StrictModel):
+    """The admission gate of accelerated nodes (training/node_check): each new GPU or Trainium node joins
+    tainted and takes no job until its checks pass (accelerator and EFA counts against the instance catalog,
+    the driver, hardware Xids in the kernel log, DCGM's diagnostic, the device plugins)."""
+
+    enabled: bool = True
+    # The image the check runs in, per accelerator of the config's node groups: the platform's trainer
+    # image of that accelerator (training/docker/Dockerfile.gpu carries DCGM, Dockerfile.neuron neuron-ls).
+    images: dict[Literal["nvidia", "neuron"], str] = {}
+    # DCGM's diagnostic on NVIDIA nodes: 1 runs its deployment checks ("seconds"), 2 adds PCIe and memory
+    # tests ("approximately two minutes"); 3 and 4 run 15 minutes to hours, past the 15 minutes
+    # cluster-autoscaler waits for a new node (NVIDIA's dcgmi diag reference). 0: none.
+    dcgm_level: Literal[0, 1, 2] = 2
+    # A node that failed: kept (tainted, out of cluster-autoscaler's scale-down, for someone to look at;
+    # it costs its hourly price until deleted) or terminated (its Auto Scaling group starts another).
+    failed_nodes: Literal["keep", "terminate"] = "keep"
+
+    @field_validator("images")
+    @classmethod
+    def _pinned(cls, v: dict[str, str]) -> dict[str, str]:
+        for accelerator, image in v.items():
+            if not pinned_image(image):
+                raise FieldProblem(accelerator, image, IMAGE_HELP)
+        return v
+
+    @field_validator("dcgm_level", mode="before")
+    @classmethod
+    def _level(cls, v: Any) -> Any:
+        if v in (3, 4):
+            raise FieldProblem("", v, "0, 1 or 2", f"DCGM's level {v} runs past the 15 minutes cluster-autoscaler "
+                                                   "gives a new node")
+        return v
+
+
 class ClusterConfig(StrictModel):
     """The EKS control plane, and the Kubernetes version and AMI release every managed node group runs."""
 
@@ -161,6 +210,7 @@ class ClusterConfig(StrictModel):
     # The EKS node monitoring agent add-on: it reads each node's logs (GPU XID errors, Neuron, kernel,
     # network, storage) and reports NodeConditions, which node auto repair acts on.
     node_monitoring_agent: bool = True
+    node_check: NodeCheckConfig = NodeCheckConfig()
 
     @field_validator("kubernetes_version", mode="before")
     @classmethod
@@ -453,19 +503,6 @@ class VersionsConfig(StrictModel):
         return v
 
 
-# A container image as the platform's pods name it: a registry host, then repository path
-# components, then a tag or a digest. Path components are lowercase letters and digits joined by
-# ".", "_", "__" or dashes; only the host and the tag may have capitals (the reference grammar:
-# distribution/reference regexp.go, v0.6.0). Kubernetes passes an image name with capitals to the
-# runtime, whose pull fails: the job would wait in ErrImagePull. Never :latest.
-IMAGE_PATTERN = re.compile(r"^[A-Za-z0-9.-]+(:\d+)?(/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)+"
-                           r"(:[\w][\w.-]{0,127}|@sha256:[0-9a-f]{64})$")
-IMAGE_HELP = ("an image pinned by tag or digest, its repository in lowercase, "
-              "e.g. 123456789012.dkr.ecr.us-west-2.amazonaws.com/trainer:gpu-0.1.0 (not :latest)")
-
-
-def pinned_image(value: str) -> bool:
-    return bool(IMAGE_PATTERN.match(value)) and not value.endswith(":latest")
 
 
 # A Kubernetes object name (RFC 1123 label), for the config and the job spec alike.
@@ -721,6 +758,24 @@ class PlatformConfig(StrictModel):
             floor = "v" + ".".join(map(str, MIN_VPC_CNI_FOR_EFA_ONLY))
             raise FieldProblem("versions.addons.vpc-cni", cni, f"{floor} or later",
                                "EFA-only interfaces need a newer VPC CNI")
+        return self
+
+    @model_validator(mode="after")
+    def _node_check_images(self):
+        check = self.cluster.node_check
+        if not check.enabled:
+            return self
+        problems = []
+        for accelerator in sorted({g.instance.accelerator.value for g in self.accelerated_node_groups}):
+            if accelerator not in check.images:
+                groups = ", ".join(g.name for g in self.accelerated_node_groups
+                                   if g.instance.accelerator.value == accelerator)
+                problems.append(FieldProblem(
+                    f"cluster.node_check.images.{accelerator}", None,
+                    f"the platform's {accelerator} trainer image ({IMAGE_HELP.split(', e.g.')[0]}), "
+                    "or cluster.node_check.enabled: false",
+                    f"node groups {groups} take no job until a check in that image passed their nodes"))
+        raise_problems(problems)
         return self
 
     @property

@@ -97,7 +97,9 @@ def job_policies() -> list[LifecyclePolicy]:
       (killPods). ResumeJob is the user-allowed action that is a plain sync in the Running
       state (state/running.go default branch);
     - any other failure of a pod: replace that pod alone (RestartPod deletes only it); the
-      survivors go on at N-1 through the rendezvous, and the replacement joins them.
+      survivors go on at N-1 through the rendezvous, and the replacement joins them. A straggler's
+      pod that left because its node is replaced (EXIT_REPLACE_NODE) takes this path too: its
+      node is tainted, so the new pod lands on another (a fresh one cluster-autoscaler brings).
     """
     return [
         LifecyclePolicy(Action.TERMINATE_JOB, exit_code=EXIT_CONFIG),
@@ -289,6 +291,9 @@ class _VolcanoJobChart(Chart):
             labels=labels, annotations=dict(SAFE_TO_EVICT),
             restart_policy="Never",
             service_account=TRAINER_SERVICE_ACCOUNT,
+            # Replacing a straggler's node: the trainer taints its own node through the API (the token's
+            # node-name holds it to that: NamespacesChart's own-node policy). No other pod gets a token.
+            automount_service_account_token=spec.straggler_policy == "replace",
             security_context=pod_security,
             termination_grace_period_seconds=TERMINATION_GRACE_SECONDS,
             node_selector={INSTANCE_TYPE_LABEL: instance.name},

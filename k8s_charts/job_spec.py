@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, model_validator
 
@@ -27,7 +27,7 @@ from typed_config import ConfigError, FieldProblem, StrictModel, raise_problems,
 # process-group timeout; NCCL's watchdog then aborts the communicator).
 GPU_COLLECTIVE_TIMEOUT_S = 30
 # Trainer settings the job spec owns: set through the spec's own fields.
-_OWNED_TRAINER_ARGS = {"checkpoint.dir": "checkpoint_path"}
+_OWNED_TRAINER_ARGS = {"checkpoint.dir": "checkpoint_path", "metrics.straggler_policy": "straggler_policy"}
 # Pod names are <job>-<task>-<index>; leave room for both within 63 characters.
 JobName = Annotated[str, Field(pattern=r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")]
 _PATTERN_HELP = {
@@ -91,6 +91,9 @@ class JobSpec(StrictModel):
     env: dict[str, str] = {}
     # None: the packaged trainer (-m training train with trainer_args) in the platform's image.
     program: Program | None = None
+    # What the trainer does with a straggler it names: report it, or also replace its node (the pods then
+    # carry a token that may taint their own node, and nothing else: k8s_charts/own_node.py).
+    straggler_policy: Literal["report", "replace"] = "report"
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo):
@@ -117,6 +120,9 @@ class JobSpec(StrictModel):
                 if value:
                     problems.append(FieldProblem(field, value, "nothing with program: the packaged trainer's "
                                                  "setting; give your program its own in program.args or env"))
+            if self.straggler_policy == "replace":
+                problems.append(FieldProblem("straggler_policy", self.straggler_policy, "report with program (the "
+                                             "packaged trainer names and replaces stragglers)"))
             if CHECKPOINT_DIR_ENV in self.env:
                 problems.append(FieldProblem(f"env.{CHECKPOINT_DIR_ENV}", self.env[CHECKPOINT_DIR_ENV],
                                              "nothing: the platform sets it from checkpoint_path"))
@@ -190,6 +196,8 @@ class JobSpec(StrictModel):
         where this job keeps its checkpoints and data and how long a GPU peer may stay silent."""
         flags = [f"--config={self.trainer_config}"] if self.trainer_config else []
         args = {**self.trainer_args, "checkpoint.dir": self.checkpoint_dir()}
+        if self.straggler_policy != "report":
+            args["metrics.straggler_policy"] = self.straggler_policy
         args.setdefault("checkpoint.staging_dir", self.staging_dir())
         if self.dataset_path:
             args.setdefault("data.path", self.dataset_path)

@@ -11,11 +11,12 @@ from constructs import Construct
 from config import PlatformConfig
 from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE
 from k8s_charts.objects import checkov_skips, k8s_object
+from k8s_charts.own_node import adds_taint, own_node_objects, own_node_policy
 from k8s_charts.pods import MEMBER_POD_FIELDS, ONE_OFF_POD_FIELDS, SAFE_TO_EVICT, PodTemplate, lost_node_tolerations
 from k8s_charts.volcano import VolcanoJob, VolcanoTask
 from training.contract import (
-    CLIENT_TLS_DIR, ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_CLIENT_PORT, ETCD_KEY_ENV, ETCD_MEMBERS, ETCD_PEER_PORT, MemberTLS,
-    client_tls_environment, etcd_arguments,
+    CLIENT_TLS_DIR, ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_CLIENT_PORT, ETCD_KEY_ENV, ETCD_MEMBERS, ETCD_PEER_PORT,
+    STRAGGLER_TAINT, MemberTLS, client_tls_environment, etcd_arguments,
 )
 
 ETCD_NAME = "etcd"
@@ -28,6 +29,7 @@ ETCD_METRICS_PORT = 2381  # /livez, /readyz and /metrics, plain HTTP, for the ku
 ETCD_LOST_NODE_TOLERATION_SECONDS = 30
 # Training pods run as this service account; the cluster gives it access to the data bucket's prefixes.
 TRAINER_SERVICE_ACCOUNT = "trainer"
+STRAGGLER_TAINT_ACCESS = "training-platform-straggler-taint"  # the trainer's own-node role and policy
 FSX_CLAIM = "fsx"
 FSX_CSI_DRIVER = "fsx.csi.aws.com"
 EBS_CSI_DRIVER = "ebs.csi.aws.com"
@@ -108,6 +110,13 @@ class NamespacesChart(Chart):
                              metadata=_metadata(TRAINER_SERVICE_ACCOUNT, config.jobs.namespace),
                              automountServiceAccountToken=False)
         account.add_dependency(namespaces[config.jobs.namespace])
+        # A job replacing a straggler (its spec's straggler_policy) taints the straggler's node from that
+        # node's own pod, and may change nothing else of any node.
+        username = f"system:serviceaccount:{config.jobs.namespace}:{TRAINER_SERVICE_ACCOUNT}"
+        own_node_objects(self, STRAGGLER_TAINT_ACCESS, _metadata(STRAGGLER_TAINT_ACCESS)["labels"], [
+            {"kind": "ServiceAccount", "name": TRAINER_SERVICE_ACCOUNT, "namespace": config.jobs.namespace}],
+            own_node_policy(STRAGGLER_TAINT_ACCESS, "a training pod", username,
+                            taints=adds_taint(STRAGGLER_TAINT, "NoSchedule")))
         # Training pods take connections from pods of their own namespace only (the workers'
         # store on rank 0, NCCL's bootstrap and sockets). EFA traffic does not pass eth0.
         policy = k8s_object(self, "jobs-ingress", api_version="networking.k8s.io/v1", kind="NetworkPolicy",

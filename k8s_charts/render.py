@@ -10,6 +10,7 @@ from config import PlatformConfig
 from config.catalog import Accelerator
 from k8s_charts.job_charts import NcclCheckChart, TrainingJobChart
 from k8s_charts.job_spec import JobSpec
+from k8s_charts.node_check import NodeCheckChart
 from k8s_charts.platform_charts import (
     EtcdCertificatesChart, EtcdChart, LustreVolumeValues, NamespacesChart, SchedulingChart, StorageChart, StorageClassChart,
 )
@@ -22,12 +23,15 @@ _OUTPUT_KEYS = {"file_system_id": "FileSystemId", "dns_name": "FileSystemDnsName
 PLATFORM_CHARTS = {"namespaces": NamespacesChart, "storage-class": StorageClassChart,
                    "etcd-certificates": EtcdCertificatesChart, "etcd": EtcdChart, "scheduling": SchedulingChart}
 STORAGE_CHART = "storage"
+NODE_CHECK_CHART = "node-check"  # with cluster.node_check.enabled
 DATA_PREP_CHART = "prepare-imagenet"
 
 
 def render_platform(scope: Construct, config: PlatformConfig, volume: LustreVolumeValues | None) -> None:
     for chart_id, chart in PLATFORM_CHARTS.items():
         chart(scope, chart_id, config)
+    if config.cluster.node_check.enabled:
+        NodeCheckChart(scope, NODE_CHECK_CHART, config)
     if volume is not None:
         StorageChart(scope, STORAGE_CHART, config, volume)
 
@@ -41,7 +45,7 @@ def job_chart_ids(config: PlatformConfig, spec: JobSpec) -> list[str]:
 def check_job_names(config: PlatformConfig, specs: list[tuple[str, JobSpec]]) -> None:
     """Each job's charts need ids (dist/ file names) of their own: not the platform's, the data
     preparation job's or another job's. ``specs``: each spec's file and the spec, in order."""
-    taken = {chart_id: "the platform's" for chart_id in [*PLATFORM_CHARTS, STORAGE_CHART]}
+    taken = {chart_id: "the platform's" for chart_id in [*PLATFORM_CHARTS, STORAGE_CHART, NODE_CHECK_CHART]}
     taken[DATA_PREP_CHART] = "the data preparation job's"
     for path, spec in specs:
         for chart_id in job_chart_ids(config, spec):

@@ -20,11 +20,12 @@ from cdk_constructs.efa_launch_template import CapacityReservation, EfaLaunchTem
 from cdk_constructs.nag import acknowledge
 from cdk_constructs.network import RETENTION_BY_DAYS
 from cdk_constructs.node_version import NodeVersion, pin_node_version
-from cdk_constructs.pod_identity import associate
+from cdk_constructs.pod_identity import PodIdentityRole, associate
 from cdk_constructs.training_dashboard import TrainingDashboard, TrainingDashboardProps
 from config import AcceleratedNodeGroupConfig, PlatformConfig
 from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
 from config.model import ClusterConfig
+from k8s_charts.node_check import NODE_CHECK_NAMESPACE, NODE_CHECK_SERVICE_ACCOUNT, NodeCheckChart
 from k8s_charts.platform_charts import (
     TRAINER_SERVICE_ACCOUNT, EtcdCertificatesChart, EtcdChart, LustreVolumeValues, NamespacesChart, PlatformCheckChart,
     SchedulingChart, StorageChart, StorageClassChart, platform_check_name,
@@ -54,8 +55,8 @@ def node_version(config: ClusterConfig) -> NodeVersion:
 
 
 def accelerated_node_group_props(group: AcceleratedNodeGroupConfig, *, cluster: eks.ICluster, subnet: ec2.ISubnet,
-                                 node_role: iam.IRole, node_security_group: ec2.ISecurityGroup, version: NodeVersion
-                                 ) -> AcceleratedNodeGroupProps:
+                                 node_role: iam.IRole, node_security_group: ec2.ISecurityGroup, version: NodeVersion,
+                                 node_check: bool) -> AcceleratedNodeGroupProps:
     """One node group of the config, as the construct takes it: the resources, and the group's facts."""
     reservation = group.capacity_reservation
     return AcceleratedNodeGroupProps(
@@ -63,7 +64,7 @@ def accelerated_node_group_props(group: AcceleratedNodeGroupConfig, *, cluster: 
         name=group.name, instance=group.instance,
         min_size=group.min_size, max_size=group.max_size, desired_size=group.desired_size,
         efa=group.efa_enabled, version=version, capacity_type=eks.CapacityType[group.capacity_type.value],
-        placement_group=group.placement_group, auto_repair=group.node_auto_repair,
+        placement_group=group.placement_group, auto_repair=group.node_auto_repair, node_check=node_check,
         capacity_reservation=CapacityReservation(reservation.id, capacity_block=reservation.kind == "capacity_block")
         if reservation else None,
     )
@@ -138,7 +139,8 @@ class ClusterStack(Stack):
                                  if g.instance.accelerator is Accelerator.NVIDIA),
                 neuron_groups=tuple(g.name for g in config.accelerated_node_groups
                                     if g.instance.accelerator is Accelerator.NEURON),
-                alarm_topic_arn=config.monitoring.alarm_topic_arn))
+                alarm_topic_arn=config.monitoring.alarm_topic_arn,
+                node_check_namespace=NODE_CHECK_NAMESPACE if config.cluster.node_check.enabled else None))
             # Fluent Bit would create the log group on its first write, without a retention.
             self.addons.observability.node.add_dependency(self.dashboard.application_logs)
 
@@ -167,7 +169,8 @@ class ClusterStack(Stack):
         self.accelerated = [
             AcceleratedNodeGroup(self, f"Group-{group.name}", accelerated_node_group_props(
                 group, cluster=self.cluster, subnet=net.compute_subnet, node_role=registry.node_role,
-                node_security_group=net.node_security_group, version=versions))
+                node_security_group=net.node_security_group, version=versions,
+                node_check=config.cluster.node_check.enabled))
             for group in config.accelerated_node_groups
         ]
         # Nodes join with the pinned VPC CNI, not the one EKS bootstraps and the add-on then replaces.
@@ -231,7 +234,27 @@ class ClusterStack(Stack):
             file_system_id=volume.file_system_id, dns_name=volume.dns_name, mount_name=volume.mount_name,
             capacity_gib=config.fsx.storage_capacity_gib)))
         storage_chart.node.add_dependency(namespaces, self.addons.fsx_csi)  # the CSI driver before its volume
+        if config.cluster.node_check.enabled:
+            self._node_check(config, charts)
         self._platform_check(config, charts, after=[etcd, scheduling, *self.charts.device_plugin_checks])
+
+    def _node_check(self, config: PlatformConfig, charts: Cdk8sApp) -> None:
+        """The admission gate of accelerated nodes (k8s_charts/node_check.py) and, when failed nodes are
+        terminated, the one AWS action that needs: through the node's Auto Scaling group, which keeps its
+        size and starts a replacement, on this cluster's groups alone (EKS tags a managed node group's
+        Auto Scaling group k8s.io/cluster-autoscaler/<cluster>=owned, as cluster-autoscaler's role relies on).
+        The check names only its own node's instance; IAM cannot tell which node a pod runs on."""
+        self.cluster.add_cdk8s_chart("NodeCheck", NodeCheckChart(charts, "node-check", config))
+        if config.cluster.node_check.failed_nodes != "terminate":
+            return
+        identity = PodIdentityRole(self, "NodeCheckIdentity", cluster=self.cluster, namespace=NODE_CHECK_NAMESPACE,
+                                   service_account=NODE_CHECK_SERVICE_ACCOUNT,
+                                   description="node check: terminates a node that failed it, which its group replaces")
+        identity.role.add_to_policy(iam.PolicyStatement(
+            actions=["autoscaling:TerminateInstanceInAutoScalingGroup"], resources=["*"],
+            conditions={"StringEquals": {f"aws:ResourceTag/k8s.io/cluster-autoscaler/{config.name_prefix}": "owned"}}))
+        acknowledge(identity.role, "IAM5", "TerminateInstanceInAutoScalingGroup is limited by a condition to Auto "
+                    "Scaling groups tagged as owned by this cluster", finding="Resource::*")
 
     def _platform_check(self, config: PlatformConfig, charts: Cdk8sApp, after: list) -> None:
         """A deploy that changes the platform ends by running a small job through Volcano against etcd."""

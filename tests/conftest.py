@@ -151,6 +151,7 @@ SLOW_MODULES = {
     "test_allreduce_bench", "test_bad_samples", "test_batch_retry", "test_bench", "test_chart_rendezvous",
     "test_checkov", "test_device_decode", "test_durable_checkpoints", "test_elastic_scale", "test_elastic_training",
     "test_etcd_quorum", "test_evaluation_runs", "test_fixed_global_batch", "test_gpu_check", "test_job_lifecycle",
+    "test_node_check",
     "test_lagged_agreement", "test_launcher_torches", "test_local_runs", "test_lost_node", "test_models",
     "test_operator_safety", "test_own_program", "test_prepare_imagenet", "test_recipe_training",
     "test_rendezvous_v3", "test_resume_safety", "test_slow_checkpoint_io", "test_slurm_requeue", "test_stage_data",

@@ -12,6 +12,7 @@ from cdk_constructs.accelerated_node_group import AcceleratedNodeGroup, autoscal
 from cdk_constructs.node_version import NodeVersion
 from config import AcceleratedNodeGroupConfig, lookup
 from stacks.cluster_stack import accelerated_node_group_props
+from training.contract import NODE_CHECK_TAINT
 
 
 def group(instance_type: str, **extra) -> AcceleratedNodeGroupConfig:
@@ -19,7 +20,7 @@ def group(instance_type: str, **extra) -> AcceleratedNodeGroupConfig:
                                       max_size=4, **extra)
 
 
-def synth(config: AcceleratedNodeGroupConfig) -> tuple[Template, Stack, ec2.ISubnet]:
+def synth(config: AcceleratedNodeGroupConfig, node_check: bool = True) -> tuple[Template, Stack, ec2.ISubnet]:
     stack = Stack(App(), "Test", env={"account": "123456789012", "region": "us-west-2"})
     vpc = ec2.Vpc(stack, "Vpc", max_azs=2, nat_gateways=1)
     cluster = eks.Cluster(stack, "Cluster", version=eks.KubernetesVersion.of("1.34"), vpc=vpc,
@@ -29,7 +30,7 @@ def synth(config: AcceleratedNodeGroupConfig) -> tuple[Template, Stack, ec2.ISub
     sg = ec2.SecurityGroup(stack, "NodeSg", vpc=vpc)
     AcceleratedNodeGroup(stack, "P4d", accelerated_node_group_props(
         config, cluster=cluster, subnet=subnet, node_role=role, node_security_group=sg,
-        version=NodeVersion("1.34")))
+        version=NodeVersion("1.34"), node_check=node_check))
     return Template.from_stack(stack), stack, subnet
 
 
@@ -39,11 +40,21 @@ def test_the_node_group_uses_only_the_compute_subnet_with_labels_and_taint():
     assert props["Subnets"] == [stack.resolve(subnet.subnet_id)]
     assert props["AmiType"] == "AL2023_x86_64_NVIDIA" and props["ScalingConfig"]["MinSize"] == 0
     assert props["Labels"]["vpc.amazonaws.com/efa.present"] == "true"
-    assert props["Taints"] == [{"Effect": "NO_SCHEDULE", "Key": "nvidia.com/gpu", "Value": "true"}]
+    assert props["Taints"] == [{"Effect": "NO_SCHEDULE", "Key": "nvidia.com/gpu", "Value": "true"},
+                               {"Effect": "NO_SCHEDULE", "Key": NODE_CHECK_TAINT, "Value": "pending"}]
     assert "InstanceTypes" not in props  # the launch template names the type
     template.has_resource_properties("AWS::EC2::LaunchTemplate", {"LaunchTemplateData": Match.object_like(
         {"InstanceType": "p4d.24xlarge"})})
     template.has_resource_properties("AWS::EC2::PlacementGroup", {"Strategy": "cluster"})
+
+
+def test_without_the_node_check_nodes_join_with_their_accelerators_taint_alone():
+    template, _, _ = synth(group("p4d.24xlarge"), node_check=False)
+    props = next(iter(template.find_resources("AWS::EKS::Nodegroup").values()))["Properties"]
+    assert props["Taints"] == [{"Effect": "NO_SCHEDULE", "Key": "nvidia.com/gpu", "Value": "true"}]
+    # cluster-autoscaler drops startup taints from its templates itself: the group's template tags never carry it
+    tags = autoscaler_template_tags("p4d", lookup("p4d.24xlarge"), efa=True)
+    assert not any(NODE_CHECK_TAINT in key for key in tags)
 
 
 def test_node_auto_repair_is_on_by_default_and_off_is_said_to_eks():

@@ -170,12 +170,14 @@ def test_a_program_job_without_a_launcher_image_or_with_trainer_fields_is_one_li
         "platform config sets jobs.launcher_image"]
     with pytest.raises(ConfigError) as caught:
         parse_job_spec({**PROGRAM_JOB, "trainer_args": {"train.epochs": 3}, "dataset_path": "/fsx/datasets/c4",
-                        "env": {"PLATFORM_CHECKPOINT_DIR": "/tmp"}}, CONFIG)
+                        "env": {"PLATFORM_CHECKPOINT_DIR": "/tmp"}, "straggler_policy": "replace"}, CONFIG)
     assert caught.value.problems == [
         'trainer_args: got {"train.epochs": 3}; allowed: nothing with program: the packaged trainer\'s setting; give '
         "your program its own in program.args or env",
         'dataset_path: got "/fsx/datasets/c4"; allowed: nothing with program: the packaged trainer\'s setting; give '
         "your program its own in program.args or env",
+        'straggler_policy: got "replace"; allowed: report with program (the packaged trainer names and replaces '
+        "stragglers)",
         'env.PLATFORM_CHECKPOINT_DIR: got "/tmp"; allowed: nothing: the platform sets it from checkpoint_path',
     ]
 
@@ -484,7 +486,8 @@ def test_the_renderer_writes_dist_and_reports_a_bad_spec_in_one_line(tmp_path):
                         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert sorted(p.name for p in (tmp_path / "dist").glob("*.yaml")) == [
-        "etcd-certificates.yaml", "etcd.yaml", "namespaces.yaml", "prepare-imagenet.yaml", "resnet50-imagenet-nccl-check.yaml",
+        "etcd-certificates.yaml", "etcd.yaml", "namespaces.yaml", "node-check.yaml", "prepare-imagenet.yaml",
+        "resnet50-imagenet-nccl-check.yaml",
         "resnet50-imagenet.yaml", "scheduling.yaml", "storage-class.yaml", "storage.yaml"]
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: j\nimage: repo.example.com/t:1\nnode_group: p5\n")

@@ -8,7 +8,9 @@ import pytest
 
 from config import CATALOG
 from config.catalog import ACCELERATED_ROLE, NODE_ROLE_LABEL
+from k8s_charts.node_check import NODE_CHECK_NAMESPACE, NODE_CHECK_SERVICE_ACCOUNT
 from tests.conftest import VARIANTS, config_variant
+from training.contract import NODE_CHECK_TAINT
 
 HELM = "Custom::AWSCDK-EKS-HelmChart"
 MANIFEST = "Custom::AWSCDK-EKS-KubernetesResource"
@@ -101,7 +103,7 @@ def test_device_plugins_select_exactly_the_labels_and_tolerate_the_taints_the_no
     assert neuron["scheduler"] == {"enabled": False}  # see cluster_charts.py: it could not be scheduled on EKS
     assert all(g["Labels"]["vpc.amazonaws.com/efa.present"] == "true" for g in groups.values())
     assert efa["nodeSelector"] == {"vpc.amazonaws.com/efa.present": "true"}
-    assert {t["key"] for t in efa["tolerations"]} == {"nvidia.com/gpu", "aws.amazon.com/neuron"}
+    assert {t["key"] for t in efa["tolerations"]} == {"nvidia.com/gpu", "aws.amazon.com/neuron", NODE_CHECK_TAINT}
 
 
 def test_every_helm_chart_is_pinned_to_the_configured_version(example):
@@ -306,3 +308,33 @@ def test_the_order_check_sees_a_missing_dependency():
     assert updated_after(resources_, "Group") == set()
     resources_["Group"]["Properties"]["ClusterName"] = {"Ref": "Cluster"}
     assert updated_after(resources_, "Group") == {"Cluster"}
+
+
+def test_accelerated_nodes_join_tainted_and_the_node_check_is_applied(example):
+    groups = [g for g in props(example, "AWS::EKS::Nodegroup") if g["Labels"][NODE_ROLE_LABEL] == ACCELERATED_ROLE]
+    assert groups and all({"Effect": "NO_SCHEDULE", "Key": NODE_CHECK_TAINT, "Value": "pending"} in g["Taints"]
+                          for g in groups)
+    manifests = json.dumps(props(example, MANIFEST))
+    assert manifests.count('\\"kind\\":\\"DaemonSet\\"') == 2  # one per accelerator of the example: nvidia, neuron
+    assert '\\"kind\\":\\"ValidatingAdmissionPolicy\\"' in manifests
+    # Kept failed nodes need no AWS right: no role for the check.
+    assert not [p for p in props(example, "AWS::EKS::PodIdentityAssociation") if p["Namespace"] == NODE_CHECK_NAMESPACE]
+
+
+def test_terminating_failed_nodes_gives_the_check_one_action_on_this_clusters_groups(synth):
+    result = synth(config_variant(**{"cluster.node_check.failed_nodes": "terminate"}))
+    (association,) = [p for p in props(result, "AWS::EKS::PodIdentityAssociation")
+                      if p["Namespace"] == NODE_CHECK_NAMESPACE]
+    assert association["ServiceAccount"] == NODE_CHECK_SERVICE_ACCOUNT
+    statements = [s for p in props(result, "AWS::IAM::Policy") for s in p["PolicyDocument"]["Statement"]
+                  if s["Action"] == "autoscaling:TerminateInstanceInAutoScalingGroup"]
+    assert statements == [{"Action": "autoscaling:TerminateInstanceInAutoScalingGroup", "Effect": "Allow",
+                           "Resource": "*", "Condition": {"StringEquals": {
+                               "aws:ResourceTag/k8s.io/cluster-autoscaler/mltrain": "owned"}}}]
+
+
+def test_without_the_node_check_nodes_join_untainted_by_it_and_no_check_is_applied(synth):
+    result = synth(config_variant(**{"cluster.node_check": {"enabled": False}}))
+    assert NODE_CHECK_TAINT not in json.dumps(props(result, "AWS::EKS::Nodegroup"))
+    manifests = json.dumps(props(result, MANIFEST))
+    assert "training-platform-node-check" not in manifests and '\\"kind\\":\\"DaemonSet\\"' not in manifests

@@ -47,6 +47,9 @@ def problems(data: dict) -> list[str]:
                                       "allowed: set checkpoint_path in the job spec instead"),
     ({"checkpoint": {"dir": "/fsx/mine"}}, 'trainer_args.checkpoint.dir: got "/fsx/mine" (the job spec sets it)'),
     ({"optim.betas": "[0.9"}, 'trainer_args.optim.betas: got "[0.9", which does not parse'),
+    # Replacing needs what the spec's field gives the pods (a token that may taint their node).
+    ({"metrics.straggler_policy": "replace"}, 'trainer_args.metrics.straggler_policy: got "replace" (the job spec '
+                                              "sets it); allowed: set straggler_policy in the job spec instead"),
 ])
 def test_a_bad_trainer_argument_is_one_line_naming_it(args, line):
     found = problems(job(args))
@@ -117,3 +120,17 @@ def test_the_job_spec_and_the_config_share_one_kubernetes_name_and_its_wording()
 
     assert job_spec.K8sName is model.K8sName
     assert job_spec._PATTERN_HELP[model.K8S_NAME_PATTERN] == loader._PATTERN_HELP[model.K8S_NAME_PATTERN]
+
+
+def test_replacing_stragglers_is_the_specs_choice_and_gives_its_pods_a_token():
+    from trainctl.jobs import render
+
+    spec = parse_job_spec(job(straggler_policy="replace"), CONFIG)
+    assert "--metrics.straggler_policy=replace" in spec.trainer_flags(CONFIG)
+    pod = render(CONFIG, spec)[-1]["spec"]["tasks"][0]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True and pod["serviceAccountName"] == "trainer"
+    default = parse_job_spec(job(), CONFIG)
+    assert not [f for f in default.trainer_flags(CONFIG) if "straggler_policy" in f]
+    assert render(CONFIG, default)[-1]["spec"]["tasks"][0]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert problems(job(straggler_policy="evict")) == [
+        "straggler_policy: got \"evict\"; allowed: 'report' or 'replace'"]

@@ -86,7 +86,11 @@ def test_job_throughput_comes_from_rank_0s_step_lines_in_the_application_log_gro
     filters = {f["Properties"]["MetricTransformations"][0]["MetricName"]: f["Properties"]
                for f in resources(cluster_template, "AWS::Logs::MetricFilter").values()}
     assert set(filters) == {"SamplesPerSecond", "Loss", "RankStepSecondsMedian", "RankStepSecondsMax",
-                            "StragglersNamed"}
+                            "StragglersNamed", "NodeChecksFailed"}
+    # 1 per failed node check: the check's verdict lines in its own namespace (training/node_check).
+    assert filters["NodeChecksFailed"]["FilterPattern"] == (
+        '{ ($.kubernetes.namespace_name = "training-node-check") && ($.log_processed.event = "node_check") && '
+        "($.log_processed.passed IS FALSE) }")
     # The spread of the ranks' own step times (the step line's rank_step_s), and 1 per straggler line.
     assert filters["RankStepSecondsMax"]["MetricTransformations"][0]["MetricValue"] == (
         "$.log_processed.rank_step_s.max")

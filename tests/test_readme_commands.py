@@ -52,6 +52,7 @@ ELSEWHERE = {
     ".venv/bin/trainctl status resnet50-imagenet": NEEDS_AWS + " (tests/test_trainctl_cli.py)",
     ".venv/bin/trainctl logs resnet50-imagenet --rank 0 --follow": NEEDS_AWS + " (tests/test_trainctl_cli.py)",
     ".venv/bin/trainctl list": NEEDS_AWS + " (tests/test_trainctl_cli.py)",
+    ".venv/bin/trainctl nodes": NEEDS_AWS + " (tests/test_node_check.py runs it against the loopback API server)",
     ".venv/bin/trainctl cancel resnet50-imagenet": NEEDS_AWS + " (tests/test_trainctl_cli.py)",
     "trainctl cancel --all": NEEDS_AWS + " (tests/test_operator_safety.py)",
     ".venv/bin/trainctl submit k8s_charts/examples/local/mlp-elastic.yaml --backend local":

@@ -8,6 +8,7 @@ import time
 import torch
 
 from training.loop.stragglers import ForwardTimer, Place, Spread, StragglerWatch, spread_slots
+from training.loop.replacement import Replacement
 
 
 def test_a_rank_is_named_after_the_windows_in_a_row_over_the_margin_and_once_per_spell():
@@ -53,3 +54,23 @@ def test_the_forward_timer_measures_on_cpu_and_starts_a_fresh_window_when_read()
     timer.stop()
     assert 0.05 <= timer.take_s() < 0.5
     assert timer.take_s() == 0.0
+
+
+def test_replace_takes_the_slowest_named_node_one_at_a_time_and_never_below_the_minimum():
+    pods = ["a", "a", "b", "b", "c", "c"]  # two ranks per node
+    replacement = Replacement("replace", min_nodes=2)
+    assert replacement.consider([], pods, nodes=3) is None
+    decision = replacement.consider([(2, 1.6), (5, 2.1)], pods, nodes=3)
+    assert (decision.pod, decision.rank, decision.nodes) == ("c", 5, 3)  # the slowest of those named
+    assert replacement.take() == decision and replacement.pending is None
+    # Under way until the job has its nodes back: no second replacement meanwhile.
+    assert replacement.consider([(0, 3.0)], ["a", "a", "b", "b"], nodes=2) is None
+    assert replacement.consider([(0, 3.0)], pods, nodes=3).pod == "a"
+    replacement.take()
+    # A job at its minimum keeps its straggler: named, not replaced.
+    low = Replacement("replace", min_nodes=3)
+    assert low.consider([(0, 3.0)], pods, nodes=3) is None
+
+
+def test_report_only_names():
+    assert Replacement("report", min_nodes=1).consider([(1, 5.0)], ["a", "b"], nodes=2) is None

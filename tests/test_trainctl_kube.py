@@ -41,6 +41,9 @@ RANK0_LOG = "\n".join([
     json.dumps({"event": "straggler", "time": 21.5, "step": 1000, "rank": 11, "pod": "resnet50-imagenet-worker-1",
                 "node": "ip-10-0-1-23.ec2.internal", "instance": "p4d.24xlarge", "own_step_s": 0.031,
                 "median_s": 0.021, "times_median": 1.48, "windows": 2}),
+    json.dumps({"event": "straggler_replaced", "time": 21.6, "step": 1000, "rank": 11,
+                "pod": "resnet50-imagenet-worker-1", "node": "ip-10-0-1-23.ec2.internal", "instance": "p4d.24xlarge",
+                "nodes": 2}),
     json.dumps({"event": "step", "time": 22.0, "step": 1010, "epoch": 0, "loss": 4.87, "lr": 0.79,
                 "samples_per_s": 41200.5, "samples_per_s_per_device": 2575.0, "step_time_s": 0.0497,
                 "data_wait_pct": 1.1, "peak_memory_gib": 30.1, "world_size": 16, "restart_count": 1, "mfu": 0.41,
@@ -72,6 +75,9 @@ class FakeApiServer:
         # False: a cluster without Volcano. kube-apiserver answers a group it does not serve with a plain
         # 404 page, not a Status (staging/src/k8s.io/apiserver/pkg/server/mux: NotFound handler).
         self.volcano_installed = True
+        # Nodes (the node check's own node, trainctl nodes) and the events posted about them.
+        self.nodes: dict[str, dict] = {}
+        self.node_events: list[dict] = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -116,6 +122,12 @@ class FakeApiServer:
                     return self._send(*((200, {"kind": "PriorityClass", "apiVersion": "scheduling.k8s.io/v1",
                                                "metadata": {"name": priority.group(1)}, "value": 1000}) if found else
                                          (404, {"kind": "Status", "code": 404})))
+                node = re.fullmatch(r"/api/v1/nodes(?:/([^/]+))?", path)
+                if node:
+                    return self._send(*server.node_request(method, node.group(1), body))
+                if path == "/api/v1/namespaces/default/events" and method == "POST":
+                    server.node_events.append(body)
+                    return self._send(201, body)
                 if path == "/api/v1/namespaces/training/events":
                     return self._send(200, {"kind": "EventList", "apiVersion": "v1", "items": server.events})
                 if path == JOBS_PATH and method == "GET":
@@ -164,9 +176,33 @@ class FakeApiServer:
             def do_DELETE(self):
                 self._handle("DELETE")
 
+            def do_PATCH(self):
+                self._handle("PATCH")
+
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._nodes_lock = threading.Lock()
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+
+    def node_request(self, method: str, name: str | None, body) -> tuple[int, dict]:
+        """Nodes as kube-apiserver serves them: a list, one by name, and a JSON patch (RFC 6902) whose
+        failed ``test`` is refused with 422 (staging/src/k8s.io/apiserver/pkg/endpoints/handlers/patch.go)."""
+        import jsonpatch
+
+        with self._nodes_lock:
+            if name is None:
+                return 200, {"kind": "NodeList", "apiVersion": "v1", "items": list(self.nodes.values())}
+            if name not in self.nodes:
+                return 404, {"kind": "Status", "code": 404, "reason": "NotFound", "message": f'nodes "{name}" not found'}
+            if method == "GET":
+                return 200, self.nodes[name]
+            try:
+                patched = jsonpatch.apply_patch(self.nodes[name], body)
+            except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict) as error:
+                return 422, {"kind": "Status", "code": 422, "reason": "Invalid", "message": str(error)}
+            self.nodes[name] = patched
+            return 200, patched
 
 
 def pod(index: int) -> dict:
@@ -224,6 +260,8 @@ def test_status_shows_phase_pods_rendezvous_last_metrics_and_newest_checkpoint(a
             "resnet50-imagenet-worker-1)") in report
     assert ("straggler at step 1000: rank 11, pod resnet50-imagenet-worker-1, node ip-10-0-1-23.ec2.internal, "
             "p4d.24xlarge: 1.48 times the median's own step time for 2 reports") in report
+    assert ("straggler replaced at step 1000: pod resnet50-imagenet-worker-1 left node ip-10-0-1-23.ec2.internal "
+            "(tainted); the job went on with 1 of its 2 nodes") in report
 
 
 def test_list_cancel_and_logs_by_rank(api):

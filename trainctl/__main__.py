@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints = command("checkpoints", "a job's checkpoints, as exported to S3")
     checkpoints.add_argument("name")
     command("list", "the jobs in the jobs namespace")
-    for name in ("status", "list"):
+    command("nodes", "the accelerated nodes: node check verdict, readiness, scheduling, health conditions")
+    for name in ("status", "list", "nodes"):
         commands.choices[name].add_argument("-o", "--output", choices=("text", "json", "yaml"), default="text",
                                             help="text for people (default), json or yaml for scripts")
     for name in JOB_COMMANDS:
@@ -204,6 +205,8 @@ def header(args, config, source: ConfigSource) -> str:
         return f"{line}; Slurm cluster {config.slurm_cluster_name if config.slurm else '(none)'} in {config.region}, {how}"
     cluster = f"kubeconfig context {args.context}" if args.context else (
         f"cluster {config.name_prefix} in {config.region}")
+    if args.command == "nodes":
+        return f"{line}; {cluster}"
     verb = "for " if args.command == "render" else ""
     return f"{line}; {verb}{cluster}, namespace {config.jobs.namespace}"
 
@@ -226,6 +229,8 @@ def run(args, config) -> int:
         return stage(args, config)
     if args.command == "checkpoints":
         return list_checkpoints(args, config)
+    if args.command == "nodes":
+        return nodes(args, config)
     from k8s_charts.job_spec import load_job_spec
     from trainctl.jobs import manifests_of, render_text
 
@@ -598,6 +603,25 @@ def watch(args, jobs) -> int:
                     print(f"[{pod}] {line}")
             else:
                 print(jobs.log(pod, **options), end="")
+    return 0
+
+
+def nodes(args, config) -> int:
+    from kubernetes import client
+
+    from trainctl.errors import from_kube
+    from trainctl.kube import api_client
+    from trainctl.nodes import accelerated_nodes, as_dicts, format_rows
+
+    api = api_client(_session(args), config.name_prefix, config.region, args.context)
+    try:
+        rows = accelerated_nodes(client.CoreV1Api(api))
+    except Exception as exc:  # API and transport errors users cause become one line
+        error = from_kube(exc, api.configuration.host)
+        if error is None:
+            raise
+        raise error from None
+    print(format_rows(rows) if args.output == "text" else _dump(as_dicts(rows), args.output))
     return 0
 
 

@@ -215,7 +215,8 @@ class JobStatus:
     last_step: dict | None
     checkpoint: dict | None
     waiting: list[str]
-    stragglers: list[dict] = field(default_factory=list)  # the trainer's straggler events, newest last
+    # the trainer's straggler and straggler_replaced events, newest last
+    stragglers: list[dict] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -245,6 +246,10 @@ class JobStatus:
                 lines.append(f"ranks' own step time: min {spread['min']} s, median {spread['median']} s, max "
                              f"{spread['max']} s (rank {s['slowest_rank']}, pod {s.get('slowest_pod', '-')})")
         for e in self.stragglers[-3:]:
+            if e["event"] == "straggler_replaced":
+                lines.append(f"straggler replaced at step {e['step']}: pod {e['pod']} left node {e['node']} (tainted); "
+                             f"the job went on with {e['nodes'] - 1} of its {e['nodes']} nodes")
+                continue
             lines.append(f"straggler at step {e['step']}: rank {e['rank']}, pod {e['pod']}, node {e['node']}"
                          f"{', ' + e['instance'] if e.get('instance') else ''}: {e['times_median']} times the "
                          f"median's own step time for {e['windows']} reports")
@@ -274,7 +279,7 @@ def status(jobs: Jobs, name: str, tail: int = 2000) -> JobStatus:
     phase = (job.get("status") or {}).get("state", {}).get("phase", "Pending")
     pending = phase == "Pending" or any(row[2] == "Pending" for row in rows)
     waiting = jobs.why_waiting(name) if pending else []
-    stragglers = [e for e in events if e["event"] == "straggler"]
+    stragglers = [e for e in events if e["event"] in ("straggler", "straggler_replaced")]
     return JobStatus(name, phase, rows, last("rendezvous"), last("step"), last("checkpoint_saved"), waiting,
                      stragglers)
 

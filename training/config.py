@@ -173,6 +173,10 @@ class MetricsSection(StrictModel):
     # over the median's by this fraction in this many reports in a row is named in a straggler event.
     straggler_margin: float = Field(0.25, gt=0)
     straggler_windows: int = Field(2, ge=1)
+    # report: name it. replace: also replace its node, one at a time and never below the job's
+    # --nnodes minimum (training/loop/replacement.py); under the platform's job charts, the job spec's
+    # straggler_policy sets this and gives the pods what tainting their node needs.
+    straggler_policy: Literal["report", "replace"] = "report"
 
 
 # ILSVRC-2012: training and validation images; a synthetic held-out split keeps their proportion.

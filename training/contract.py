@@ -92,6 +92,36 @@ NODE_GROUP_LABEL = "training-platform/node-group"
 ACCELERATOR_TAINTS = {"nvidia": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}
 ACCELERATOR_TAINT_EFFECT = "NoSchedule"
 
+# The node check (training/node_check, run on every accelerated node by the platform's DaemonSet,
+# k8s_charts/node_check.py): new accelerated nodes register with NODE_CHECK_TAINT (NoSchedule), next to
+# their accelerator's taint, and only the check removes it, once the node passed. The key's prefix is
+# cluster-autoscaler's startup-taint prefix (kubernetes/autoscaler cluster-autoscaler-1.34.2,
+# utils/taints/taints.go: StartupTaintPrefix): the autoscaler leaves the taint out of the node templates
+# it scales groups up with, so a pending pod that does not tolerate it still brings a node, and counts a
+# tainted new node as starting, not as capacity, for its first 15 minutes (clusterstate.go,
+# MaxNodeStartupTime). EKS takes taint keys of at most 63 characters (API_Taint).
+NODE_CHECK_TAINT = "startup-taint.cluster-autoscaler.kubernetes.io/node-check"
+NODE_CHECK_TAINT_VALUE = "pending"
+# What the check found, on the node: NODE_PASSED or NODE_FAILED, and for a failure the first check that
+# failed (a NodeCheck name of training/node_check/checks.py). Jobs need not select on them: the taint decides.
+NODE_HEALTH_LABEL = "training-platform/node-health"
+NODE_PASSED, NODE_FAILED = "passed", "failed"
+NODE_FAILED_CHECK_LABEL = "training-platform/failed-check"
+# cluster-autoscaler leaves a node with this annotation alone when it scales down (its FAQ, "How can I
+# prevent Cluster Autoscaler from scaling down a particular node?"): a failed node kept for a look.
+SCALE_DOWN_DISABLED_ANNOTATION = "cluster-autoscaler.kubernetes.io/scale-down-disabled"
+NODE_CHECK_MODULE = "training.node_check"
+NODE_CHECK_EVENT = "node_check"  # the JSON line the check prints (the dashboard's metric filter reads it)
+# The DaemonSet's environment besides the node's name (NODE_NAME_ENV, from the downward API): what each
+# instance type of the config's groups must show, as JSON {instance type: {"accelerator", "devices", "efa"}}
+# (from the instance catalog); the DCGM diagnostic level; what becomes of a node that failed (NODE_FAILURE_ACTIONS).
+NODE_CHECK_EXPECTED_ENV = "PLATFORM_NODE_CHECK_EXPECTED"
+NODE_CHECK_DCGM_LEVEL_ENV = "PLATFORM_NODE_CHECK_DCGM_LEVEL"
+NODE_CHECK_ON_FAILURE_ENV = "PLATFORM_NODE_CHECK_ON_FAILURE"
+# keep: the node stays, tainted and out of cluster-autoscaler's scale-down, for someone to look at;
+# terminate: its instance is terminated through its Auto Scaling group, which starts a replacement.
+NODE_FAILURE_ACTIONS = ("keep", "terminate")
+
 # Exit statuses, which the agent and the job controller's policies act on (k8s_charts/job_charts.py).
 EXIT_MEMBERSHIP_CHANGE = 75  # a worker stopped only because a peer was told to: restart into a new round
 EXIT_DIVERGED = 76  # the loss is not finite: retrying from the last checkpoint would diverge again
@@ -103,6 +133,11 @@ EXIT_CRASH_LOOP = 77
 # error of the launcher itself) is wrong; nothing retries it.
 EXIT_CONFIG = 78
 EXIT_RESTART_JOB = 79  # this incarnation cannot go on (workers failed for good after progress): restart afresh
+# This node was named a straggler under metrics.straggler_policy=replace: its workers wrote the job's
+# checkpoint with the others, tainted their node (STRAGGLER_TAINT) and left; the agent leaves the
+# rendezvous at once and the pod ends, the survivors go on from memory, and the controller starts
+# another pod, which cannot land on the tainted node (k8s_charts/job_charts.py, job_policies).
+EXIT_REPLACE_NODE = 74
 # The agent's own exit when the pod's SIGTERM stopped it (a drain, a Spot reclaim, a scale-down):
 # the workers were asked to checkpoint (the launcher's log says whether they did), and the controller
 # recreates the deleted pod without counting a retry.
@@ -116,6 +151,14 @@ STOP_BUDGET_ENV = "PLATFORM_STOP_BUDGET_S"  # seconds a SIGTERM leaves the worke
 SPOT_NOTICE_ENV = "PLATFORM_SPOT_NOTICE"  # "imds": watch for the two-minute Spot interruption notice
 IMDS_ENDPOINT_ENV = "PLATFORM_IMDS_ENDPOINT"  # the instance metadata service; tests point it at loopback
 AGENT_PID_ENV = "PLATFORM_AGENT_PID"  # the launcher's pid: a worker whose parent is not it is an orphan
+# The job's --nnodes minimum, for the workers: a straggler's node is replaced only while the job keeps it.
+MIN_NODES_ENV = "PLATFORM_MIN_NODES"
+# What the trainer does with a straggler it named (metrics.straggler_policy): report it, or replace its
+# node: the node gets STRAGGLER_TAINT (NoSchedule: no pod lands there again; cluster-autoscaler removes it
+# once idle) and the job shrinks and grows back onto another node. Only the node's own pod may set it
+# (k8s_charts/own_node.py), through the token the job's pods then carry.
+STRAGGLER_POLICIES = ("report", "replace")
+STRAGGLER_TAINT = "training-platform/straggler"
 # Where a rank runs, named in its straggler events (training/loop/stragglers.py): the pod's name and
 # its node's from the downward API, the instance type from the job's node group.
 POD_NAME_ENV = "PLATFORM_POD_NAME"

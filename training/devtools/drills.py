@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import signal
+import statistics
 import threading
 import time
 from collections import Counter
@@ -297,6 +298,20 @@ class ScaleResult:
     # Per admission: from the last step of the smaller world to the first of the bigger one.
     growth_pauses_s: list[float] = field(default_factory=list)
     exit_codes: dict[str, int] = field(default_factory=dict)
+    # The agents' warnings and errors (each prefixed with its agent's name): what a failed assertion prints.
+    warnings: list[str] = field(default_factory=list)
+
+
+def agent_warnings(agents: list[Agent]) -> list[str]:
+    """The launcher's and the rendezvous' WARNING and ERROR lines of each agent, named by agent.
+    The trainer's straggler lines are left out: on a shared machine they are many and explain nothing."""
+    lines = []
+    for agent in agents:
+        for line in agent.output().splitlines():
+            if (" WARNING training.launcher" in line or " ERROR training.launcher" in line
+                    or " WARNING training.loop.elastic" in line or " WARNING training.loop.trainer: a collective" in line):
+                lines.append(f"{agent.name}: {line}")
+    return lines
 
 
 def etcd_metrics(endpoint: str) -> dict[str, float]:
@@ -358,6 +373,7 @@ def scale_drill(work: Path, agents: int, spread_s: float = 0.0, steady_s: float 
             for agent in running:
                 agent.stop()
                 result.exit_codes[agent.name] = agent.proc.returncode
+            result.warnings = agent_warnings(running)
     return result
 
 
@@ -496,6 +512,14 @@ class StragglerResult:
     named_slowed: list[dict] = field(default_factory=list)  # straggler events after it
     windows_to_name: int | None = None  # reports from the slowdown's start to the one naming it, that one included
     exit_codes: dict[str, int] = field(default_factory=dict)
+    # policy="replace": the step the ranks replaced the node at, what the job did after, and its rates.
+    replaced: dict | None = None  # the straggler_replaced event
+    resume: dict | None = None  # the survivors' resume event of the round without the node
+    steps_again: int | None = None  # steps trained before the node left that the survivors trained again
+    healthy_rate: float | None = None  # samples/s per node, every node healthy
+    without_rate: float | None = None  # samples/s per node, the job without the replaced node
+    back_to_full_s: float | None = None  # from the node's exit to the first step with a fresh node in its place
+    warnings: list[str] = field(default_factory=list)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -536,24 +560,42 @@ def throttle(pids: list[int], stop: threading.Event, share: float = 0.25, period
 
 def straggler_drill(work: Path, agents: int = 4, healthy_s: float = 20, slowed_s: float = 20,
                     log_every_steps: int = 20, share: float = 0.25, margin: float = STRAGGLER_DRILL_MARGIN,
-                    image_size: int = 64) -> StragglerResult:
+                    image_size: int = 64, kubeconfig: Path | None = None, after_s: float = 15) -> StragglerResult:
     """``agents`` nodes train; after ``healthy_s`` one node's workers (not rank 0's) get ``share`` of
     the CPU time they would have (stopped and continued in turn, as a CPU quota does) for ``slowed_s``.
-    Each node's pod name is its agent's name. Returns the straggler events before and after."""
-    from training.contract import POD_NAME_ENV
+    Each node's pod name is its agent's name, its node's ``node-<name>``. Returns the straggler events
+    before and after.
+
+    ``kubeconfig`` (an API server that has those nodes): metrics.straggler_policy=replace. The slowed
+    node's workers then taint their node and leave once it is named; the drill measures the job without
+    it for ``after_s``, then starts a fresh node in its place, as the job's controller would."""
+    from training.contract import EXIT_REPLACE_NODE, NODE_NAME_ENV, PLATFORM_TUNING, POD_NAME_ENV
 
     work.mkdir(parents=True, exist_ok=True)
     result = StragglerResult()
+    replace_policy = kubeconfig is not None
     # A forward pass of some milliseconds (the drills' MLP on 64 px inputs): the quota's periods then
     # stretch each one, as a throttled device stretches every kernel.
     args = [*trainer_args(work, 50_000_000), f"--train.log_every_steps={log_every_steps}",
             f"--metrics.straggler_margin={margin}", f"--model.image_size={image_size}"]
+    if replace_policy:
+        args.append("--metrics.straggler_policy=replace")
+    # Replacing needs room to shrink; the fresh node is admitted after a few seconds, not the shipped 30.
+    tuning = replace(PLATFORM_TUNING, scale_up_after_s=5.0) if replace_policy else PLATFORM_TUNING
+    min_nodes = agents - 1 if replace_policy else agents
+
+    def start(name: str) -> Agent:
+        env = {POD_NAME_ENV: name, NODE_NAME_ENV: f"node-{name}"}
+        if kubeconfig is not None:
+            env["KUBECONFIG"] = str(kubeconfig)
+        return Agent(name, endpoint, "stragglers", work, args, min_nodes=min_nodes, max_nodes=agents, env=env,
+                     tuning=tuning)
+
     running: list[Agent] = []
     with LocalEtcd() as endpoint:
         try:
             for index in range(agents):
-                running.append(Agent(f"n{index:02d}", endpoint, "stragglers", work, args, min_nodes=agents,
-                                     max_nodes=agents, env={POD_NAME_ENV: f"n{index:02d}"}))
+                running.append(start(f"n{index:02d}"))
             wait_until(lambda: [e for e in events(work, "step") if e["world_size"] == agents], "training", 300,
                        running)
             time.sleep(healthy_s)
@@ -561,12 +603,18 @@ def straggler_drill(work: Path, agents: int = 4, healthy_s: float = 20, slowed_s
             result.slowed_pod = victim.name
             result.named_healthy = events(work, "straggler")
             result.slowed_at_step = events(work, "step")[-1]["step"]
+            healthy = [e for e in events(work, "step") if e["world_size"] == agents][1:]
+            result.healthy_rate = _per_node_rate(healthy, agents)
             slowed_since = time.time()
             stop = threading.Event()
             slowing = threading.Thread(target=throttle, args=(_descendants(victim.proc.pid), stop, share), daemon=True)
             slowing.start()
             try:
-                time.sleep(slowed_s)
+                if replace_policy:  # until the node is replaced: its agent ends
+                    wait_until(lambda: victim.proc.poll() is not None, "the straggler's node replaced", slowed_s,
+                               [a for a in running if a is not victim])
+                else:
+                    time.sleep(slowed_s)
             finally:
                 stop.set()
                 slowing.join()
@@ -575,8 +623,35 @@ def straggler_drill(work: Path, agents: int = 4, healthy_s: float = 20, slowed_s
                 named_at = result.named_slowed[0]["step"]
                 result.windows_to_name = len([e for e in events(work, "step")
                                               if e["time"] > slowed_since and e["step"] <= named_at])
+            if replace_policy:
+                left_at = time.time()
+                result.exit_codes[victim.name] = victim.wait(timeout=10)
+                assert result.exit_codes[victim.name] == EXIT_REPLACE_NODE, victim.output()[-3000:]
+                result.replaced = events(work, "straggler_replaced")[-1]
+                survivors = [a for a in running if a is not victim]
+                wait_until(lambda: len([e for e in events(work, "step") if e["time"] > left_at
+                                        and e["world_size"] == agents - 1]) >= 3,
+                           "the job without the replaced node", 120, survivors)
+                result.resume = next(e for e in events(work, "resume") if e["time"] > result.replaced["time"])
+                result.steps_again = max(0, result.replaced["step"] - result.resume["step"])
+                time.sleep(after_s)
+                without = [e for e in events(work, "step") if e["time"] > left_at and e["world_size"] == agents - 1]
+                result.without_rate = _per_node_rate(without[1:], agents - 1)
+                fresh = start(f"n{agents:02d}")
+                running.append(fresh)
+                back = wait_until(lambda: [e for e in events(work, "step") if e["time"] > left_at
+                                           and e["world_size"] == agents], "a fresh node in its place", 300,
+                                  [*survivors, fresh])[0]
+                result.back_to_full_s = round(back["time"] - left_at, 1)
         finally:
             for agent in running:
                 agent.stop()
-                result.exit_codes[agent.name] = agent.proc.returncode
+                result.exit_codes.setdefault(agent.name, agent.proc.returncode)
+            result.warnings = agent_warnings(running)
     return result
+
+
+def _per_node_rate(steps: list[dict], nodes: int) -> float | None:
+    """Samples a second per node over ``steps`` (step events, each every log_every_steps)."""
+    rates = [e["samples_per_s"] for e in steps if e.get("samples_per_s")]
+    return round(statistics.median(rates) / nodes, 1) if rates else None

@@ -8,7 +8,8 @@ would spend its budget in a few days, and a worker finishing a checkpoint write 
 would be killed mid-write. So this agent:
 
 - ends the job at once when a worker exits with a final status (a config error, a diverged
-  loss): retrying would fail the same way, on GPU nodes, for hours;
+  loss): retrying would fail the same way, on GPU nodes, for hours; and ends this node's part
+  when its workers left because the node is replaced (a straggler, ``EXIT_REPLACE_NODE``);
 - does not count a failure that followed progress (a newer checkpoint than at the start of
   the round) or a worker that stopped only because a peer did (exit 75). A crash loop that
   never gets past its checkpoint still runs out of restarts;
@@ -42,7 +43,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from training.launcher import compat
 from training.contract import (
-    BROKEN_MARKER, CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, FINAL_EXITS, MEMBERSHIP_FILE, NODE_RANKS_EVENT,
+    BROKEN_MARKER, CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, EXIT_REPLACE_NODE, FINAL_EXITS, MEMBERSHIP_FILE, NODE_RANKS_EVENT,
     LOST_PEER_SIGNAL, PAUSED_FILE, RECOVERS_MARKER, REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL, WRITING_MARKER,
 )
 
@@ -61,6 +62,9 @@ LOST_PEER_GRACE_S = 5.0
 # the old group fails within a fraction of a second: training/loop/elastic.py, shut_tcp_connections). A
 # restarted worker holds no state and receives it from a survivor that paused: the bound costs time.
 LOST_PEER_PAUSE_S = 5.0
+# Seconds between copies of the regroup signal to workers that have not paused yet (see _move_paused_workers):
+# longer than a step of the drills and most jobs, so a worker on its way to the pause is rarely asked twice.
+ASK_AGAIN_S = 2.0
 
 
 @dataclass
@@ -198,7 +202,7 @@ class PlatformAgent(LocalElasticAgent):
         their places. False (and nothing joined) when a worker did not pause within the stop budget."""
         for pid in self._pcontext.pids().values():
             os.kill(pid, REGROUP_SIGNAL)
-        return self._move_paused_workers(worker_group, "regroup", self._stop_budget_s)
+        return self._move_paused_workers(worker_group, "regroup", self._stop_budget_s, ask_again=REGROUP_SIGNAL)
 
     def _recover(self, worker_group: WorkerGroup) -> bool:
         """A peer is gone: this node's workers fail their next collective (gloo; LOST_PEER_SIGNAL makes
@@ -214,10 +218,16 @@ class PlatformAgent(LocalElasticAgent):
                 os.kill(pid, LOST_PEER_SIGNAL)
         return self._move_paused_workers(worker_group, "recovery after a lost peer", LOST_PEER_PAUSE_S)
 
-    def _move_paused_workers(self, worker_group: WorkerGroup, why: str, wait_s: float) -> bool:
+    def _move_paused_workers(self, worker_group: WorkerGroup, why: str, wait_s: float,
+                             ask_again: int | None = None) -> bool:
+        """Wait for every worker to pause for the next round, then join it and hand them their places.
+        ``ask_again``: a signal sent again every ASK_AGAIN_S to workers not paused yet. A worker sets a flag
+        when it arrives and acts on it at its next step, so a second copy changes nothing, but one that
+        never reached the flag (a CI run once waited out its whole stop budget for a pause) is asked again."""
         pids = self._pcontext.pids()
         generation = self._generation + 1
         deadline = time.monotonic() + wait_s
+        asked = time.monotonic()
         while True:
             if self._pcontext.wait(0) is not None:  # a worker exited: it is not waiting for a place
                 log.warning("a worker exited instead of pausing for a %s; restarting them", why)
@@ -225,8 +235,17 @@ class PlatformAgent(LocalElasticAgent):
             if all(self._paused(local_rank, generation) for local_rank in pids):
                 break
             if time.monotonic() > deadline:
-                log.warning("the workers did not pause for a %s; restarting them instead", why)
+                log.warning("the workers did not pause for a %s within %.0f s (%s); restarting them instead", why,
+                            wait_s, self._pause_report(pids, generation))
                 return False
+            if ask_again is not None and time.monotonic() - asked > ASK_AGAIN_S:
+                asked = time.monotonic()
+                log.info("the workers have not paused for a %s yet (%s); asking again", why,
+                         self._pause_report(pids, generation))
+                for local_rank, pid in pids.items():
+                    if not self._paused(local_rank, generation):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, ask_again)
             time.sleep(0.02)
         self._broken_since = None
         self._rendezvous(worker_group)
@@ -252,6 +271,17 @@ class PlatformAgent(LocalElasticAgent):
         partial = target.with_name(target.name + ".partial")
         partial.write_text(json.dumps({"generation": generation, "env": env}))
         partial.replace(target)
+
+    def _pause_report(self, pids: dict[int, int], generation: int) -> str:
+        """What each worker's pause file says, against the round this agent waited for (for the log)."""
+        found = []
+        for local_rank in pids:
+            try:
+                paused = (self._control_dir / f"{PAUSED_FILE}-{local_rank}").read_text()
+            except OSError:
+                paused = "none"
+            found.append(f"worker {local_rank}: paused {paused}")
+        return f"waited for round {generation}; " + ", ".join(found)
 
     def _paused(self, local_rank: int, generation: int) -> bool:
         try:
@@ -299,7 +329,11 @@ class PlatformAgent(LocalElasticAgent):
             return result
         self._workers_failed = True
         codes = {failure.exitcode for failure in result.failures.values()}
-        if codes & set(FINAL_EXITS):
+        if EXIT_REPLACE_NODE in codes:
+            log.warning("this node's workers left the job: the node was named a straggler and is replaced "
+                        "(metrics.straggler_policy=replace); the job goes on without it")
+            self._remaining_restarts = 0
+        elif codes & set(FINAL_EXITS):
             log.error("a worker exited %s: ending the job without a restart", sorted(codes & set(FINAL_EXITS))[0])
             self._remaining_restarts = 0
         elif codes <= {EXIT_MEMBERSHIP_CHANGE} or self._progressed():

@@ -35,9 +35,10 @@ import tempfile
 
 from training.contract import (
     AGENT_PID_ENV, BATCH_NODE_FLAG, CHECKPOINT_DIR_ENV, CONTROL_DIR_ENV, EXIT_CONFIG, EXIT_CRASH_LOOP,
-    EXIT_RESTART_JOB, FINAL_EXITS, LAUNCH_ENVIRONMENT, PROGRESS_FILE_ENV, RESTART_MARKER_ENV, SLURM_NODE_FLAG,
-    STOP_BUDGET_ENV, TRAINER_MODULE, BatchEnvironmentError, SlurmEnvironmentError, batch_rendezvous_arguments,
-    checkpoint_step, program_checkpoint_step, slurm_rendezvous_arguments,
+    EXIT_REPLACE_NODE, EXIT_RESTART_JOB, FINAL_EXITS, LAUNCH_ENVIRONMENT, MIN_NODES_ENV, PROGRESS_FILE_ENV,
+    RESTART_MARKER_ENV, SLURM_NODE_FLAG, STOP_BUDGET_ENV, TRAINER_MODULE, BatchEnvironmentError,
+    SlurmEnvironmentError, batch_rendezvous_arguments, checkpoint_step, program_checkpoint_step,
+    slurm_rendezvous_arguments,
 )
 
 log = logging.getLogger("training.launcher")
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[PROGRESS_FILE_ENV] = os.path.join(agent_dir, "progress")
         os.environ[CONTROL_DIR_ENV] = agent_dir
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    os.environ[MIN_NODES_ENV] = str(torchrun.parse_min_max_nnodes(args.nnodes)[0])  # a replaced node keeps it
     _single_node_defaults(args)
     config, entrypoint, entry_args = torchrun.config_from_args(args)
     warm = packaged and config.start_method in WARM_START_METHODS
@@ -248,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
                         stop.after if stop is not None else newest_checkpoint())
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        final = sorted({failure.exitcode for failure in exc.failures.values()} & set(FINAL_EXITS))
+        codes = {failure.exitcode for failure in exc.failures.values()}
+        if EXIT_REPLACE_NODE in codes:
+            return EXIT_REPLACE_NODE  # the pod ends; the controller starts another, off this node
+        final = sorted(codes & set(FINAL_EXITS))
         if final:
             return final[0]  # the worker said why, in one line, above
         newest = newest_checkpoint()

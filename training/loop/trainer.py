@@ -28,7 +28,8 @@ from training.loop.broadcast import all_gather_objects, broadcast_state
 from training.loop.checkpoint import CheckpointError, CheckpointManager
 from training.config import TrainConfig
 from training.contract import (
-    CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, PROGRESS_FILE_ENV, STOP_BUDGET_ENV, WRITING_MARKER, checkpoint_name,
+    CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, EXIT_REPLACE_NODE, PROGRESS_FILE_ENV, STOP_BUDGET_ENV, WRITING_MARKER,
+    checkpoint_name,
 )
 from training.data.datasets import DataError, attention_mask, build_dataset, build_loader
 from training.data.decode import build_decoder
@@ -45,6 +46,7 @@ from training.loop.rank_zero_io import RankZeroIO, file_bytes, tensor_bytes
 from training.loop.save_policy import SavePolicy
 from training.loop.resume import decide
 from training.loop.state import Progress, TrainState, flops_key, rng_state, seed_all, set_rng_state, signature
+from training.loop.replacement import Replacement, taint_own_node
 from training.loop.stragglers import ForwardTimer, Place, Spread, StragglerWatch, spread_slots
 from training.models import build_model
 from training.data.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
@@ -122,6 +124,9 @@ class Trainer:
         # Every rank's own step time, each report; a rank far behind the median is named (stragglers.py).
         self.forward_timer = ForwardTimer(self.runtime.device)
         self.stragglers = StragglerWatch(config.metrics.straggler_margin, config.metrics.straggler_windows)
+        # metrics.straggler_policy=replace: the same decision on every rank, acted on at its step (replacement.py).
+        self.replacement = Replacement(config.metrics.straggler_policy)
+        self.leaving = False  # this worker's node was replaced: it leaves the job (EXIT_REPLACE_NODE)
         self.optimizer = build_optimizer(self.module, config.optim, fused=self.recovers)
         vocab = getattr(getattr(self.module, "size", None), "vocab", None)
         self.decoder = build_decoder(config.data.decode, self.runtime.kind) if config.data.kind == "imagefolder" else None
@@ -226,6 +231,8 @@ class Trainer:
         if broken is not None and self.sample_log:
             self.sample_log.close()
         self.generation += 1
+        log.info("left the round at step %d (%s); waiting for round %d", self.progress.step,
+                 "a collective failed" if broken is not None else "a regroup", self.generation)
         try:
             env = elastic.await_membership(self.membership.local_rank, self.generation, self.stop, broken)
         except SystemExit:
@@ -516,6 +523,9 @@ class Trainer:
         # teardown is not training time (on an H100 it took 5-10 % of a 40-step window).
         if self.progress.step % self.config.train.log_every_steps == 0 or self._last_step():
             run.last_loss = self._report(run.window, run.flops_per_sample)
+        if self.replacement.pending is not None and not (stop_now or notice):
+            self._replace_node(run)
+            return
         if not (stop_now or notice):  # a stop or a spot notice saves first, within its budget
             stop_now = self._evaluate(run, yielding=True)
         if stop_now:
@@ -840,15 +850,43 @@ class Trainer:
         """The step event's spread of the ranks' own step times; a ``straggler`` event for a rank
         that stayed over the median by the configured margin."""
         spread = Spread.of(per_rank)
-        for rank, times_median in self.stragglers.observe(per_rank):
+        named = self.stragglers.observe(per_rank)
+        for rank, times_median in named:
             place = self.places[rank]
-            log.warning("rank %d (pod %s, node %s) is a straggler: its own step time is %.2f times the median's "
-                        "for %d reports", rank, place.pod, place.node, times_median, self.stragglers.windows)
+            if self.rank == 0:  # every rank names it alike; one says so
+                log.warning("rank %d (pod %s, node %s) is a straggler: its own step time is %.2f times the median's "
+                            "for %d reports", rank, place.pod, place.node, times_median, self.stragglers.windows)
             self.metrics.event("straggler", step=self.progress.step, rank=rank, pod=place.pod, node=place.node,
                                instance=place.instance, own_step_s=round(per_rank[rank], 4),
                                median_s=round(spread.median_s, 4), times_median=round(times_median, 2),
                                windows=self.stragglers.windows)
+        pods = [place.pod for place in self.places]
+        decision = self.replacement.consider(named, pods, len(set(pods)))
+        if decision is not None:
+            place = self.places[decision.rank]
+            log.warning("replacing the node of rank %d (pod %s, node %s) at step %d: the job goes on with %d node(s), "
+                        "then takes a new one in", decision.rank, place.pod, place.node, self.progress.step,
+                        decision.nodes - 1)
+            self.metrics.event("straggler_replaced", step=self.progress.step, rank=decision.rank, pod=place.pod,
+                               node=place.node, instance=place.instance, nodes=decision.nodes)
         return spread.fields(self.places)
+
+    def _replace_node(self, run: "_Run") -> None:
+        """At the step the ranks decided to replace a straggler's node: all write the checkpoint (the
+        leaving pod's stop checkpoint); its ranks taint their node and leave, the others leave their group
+        and wait for the round without it, with their state in memory (train: rejoin)."""
+        decision = self.replacement.take()
+        self._save(synchronous=True, reason="replace")
+        if self.places[self.rank].pod == decision.pod:
+            if self.membership.local_rank == 0:
+                try:
+                    taint_own_node()
+                except Exception as exc:  # noqa: BLE001 - the node leaves the job anyway; said, in one line
+                    log.error("this node could not be tainted (%s); it leaves the job anyway", elastic.first_line(exc))
+            self.leaving = True
+        else:
+            self.regrouping = True
+        run.stopped = True
 
     def _report_progress(self) -> None:
         """Tell this node's agent that the round is training (the file's time is what it reads)."""
@@ -985,6 +1023,9 @@ def train(config: TrainConfig) -> TrainResult:
             error.__traceback__ = None
             broken, regroup = error, True  # also when it failed while joining the next round
             continue
+        if trainer.leaving:  # its node was replaced: its checkpoint is written, the others go on without it
+            elastic.leave_process_group()
+            raise SystemExit(EXIT_REPLACE_NODE)
         if not (result.stopped_by_signal and trainer.regrouping):
             break
         broken, regroup = None, True
