@@ -188,6 +188,10 @@ REGROUP_SIGNAL = 10  # SIGUSR1 on Linux
 # breaks its group from a thread (gloo: shuts its connections; NCCL: aborts the communicators), so the
 # collective ends now instead of at distributed.timeout_s.
 LOST_PEER_SIGNAL = 12  # SIGUSR2 on Linux
+# Sent by the agent to a worker that did not pause when asked (before it restarts it): the worker writes
+# every thread's Python stack to its stderr (faulthandler, which answers from C, also while the main
+# thread is blocked in C++), so the agent's log says where it was. SIGRTMIN + 2 on Linux: unused by torch.
+STACKS_SIGNAL = 36
 # Present in the control folder while a worker writes a checkpoint (writing-<local rank>): an agent
 # stopping workers that lost a peer waits for it to go before the SIGKILL.
 WRITING_MARKER = "writing"

@@ -44,7 +44,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from training.launcher import compat
 from training.contract import (
     BROKEN_MARKER, CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, EXIT_REPLACE_NODE, FINAL_EXITS, MEMBERSHIP_FILE, NODE_RANKS_EVENT,
-    LOST_PEER_SIGNAL, PAUSED_FILE, RECOVERS_MARKER, REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL, WRITING_MARKER,
+    LOST_PEER_SIGNAL, PAUSED_FILE, RECOVERS_MARKER, REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL, STACKS_SIGNAL, WRITING_MARKER,
 )
 
 log = logging.getLogger("training.launcher")
@@ -235,8 +235,13 @@ class PlatformAgent(LocalElasticAgent):
             if all(self._paused(local_rank, generation) for local_rank in pids):
                 break
             if time.monotonic() > deadline:
-                log.warning("the workers did not pause for a %s within %.0f s (%s); restarting them instead", why,
-                            wait_s, self._pause_report(pids, generation))
+                log.warning("the workers did not pause for a %s within %.0f s (%s); their stacks follow; restarting "
+                            "them instead", why, wait_s, self._pause_report(pids, generation))
+                for local_rank, pid in pids.items():
+                    if not self._paused(local_rank, generation):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, STACKS_SIGNAL)
+                time.sleep(0.5)  # the dump is written from the worker's signal handler, in C
                 return False
             if ask_again is not None and time.monotonic() - asked > ASK_AGAIN_S:
                 asked = time.monotonic()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from training.contract import (  # IMDS_ENDPOINT_ENV and SPOT_NOTICE_ENV: the names callers use, as elastic.NAME
     BROKEN_MARKER, CONTROL_DIR_ENV, IMDS_ENDPOINT_ENV, LOST_PEER_SIGNAL, MEMBERSHIP_FILE, PAUSED_FILE, RECOVERS_MARKER,
-    REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL, SPOT_NOTICE_ENV as SPOT_NOTICE_ENV,
+    REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL, SPOT_NOTICE_ENV as SPOT_NOTICE_ENV, STACKS_SIGNAL,
 )
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class StopRequest:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, self.STOP_SIGNALS)
         if os.environ.get(CONTROL_DIR_ENV):
             signal.signal(REGROUP_SIGNAL, self._handle_regroup)
+            faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the agent asks where a stuck worker is
         _current_request = self
         if _watcher_pipe is None:  # one watcher per process, for whichever request is current
             _start_watcher()
@@ -207,23 +209,54 @@ def first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [""])[0]
 
 
-def leave_process_group() -> None:
+def leave_process_group() -> Any:
     """Drop this round's process group, also when a peer is dead: abort, where torch has it for
     the backend, returns at once and never waits on the dead peer (torch 2.13
     torch/distributed/distributed_c10d.py ``_abort_process_group``; ``destroy_process_group`` shuts
     backends down, which NCCL may block in, pytorch issue 119797). A group that broke under this
-    worker was ended first (training/loop/lost_peer.py, GroupGuard.break_group)."""
+    worker was ended first (training/loop/lost_peer.py, GroupGuard.break_group).
+
+    Returns the group left, which the caller keeps a while (:class:`RetiredGroups`): its last
+    reference must not go while its threads may still be finishing work."""
     if not dist.is_initialized():
-        return
+        return None
+    group = dist.distributed_c10d._get_default_group()
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # in 2.8, 2.13 and 2.14.1
     if abort is not None:
         try:
             abort()
-            return
+            return group
         except RuntimeError as exc:
             log.debug("abort failed (%s); destroying the process group", exc)
     if dist.is_initialized():
         dist.destroy_process_group()
+    return group
+
+
+class RetiredGroups:
+    """Process groups this worker left, kept alive for RETIRED_GROUP_S before their last reference goes.
+
+    gloo's group joins its worker threads when it is destroyed (torch 2.13 ProcessGroupGloo's
+    destructor: ``thread.join()``), and that happens where its last reference goes: with the old
+    DDP wrapper (its Reducer holds the group), on the main thread, which holds the GIL. A worker
+    thread still finishing a collective of the broken round frees the work's tensors, which needs
+    the GIL (``c10::TensorImpl::decref_pyobject``): each waits for the other, for good. Seen with
+    py-spy in a stress of lost peers then admissions (2026-11-28): the worker never paused for the
+    next regroup and ignored SIGTERM; the CI failures of the in-place scale-up and batching drills.
+    Kept a while, the group's threads are idle when it goes, and its destructor joins them at once.
+    """
+
+    def __init__(self, keep_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.keep_s = keep_s
+        self._clock = clock
+        self._groups: list[tuple[float, Any]] = []
+
+    def retire(self, group: Any) -> None:
+        """Keep ``group``; let go of the ones kept longer than ``keep_s``."""
+        now = self._clock()
+        self._groups = [(at, kept) for at, kept in self._groups if now - at < self.keep_s]
+        if group is not None:
+            self._groups.append((now, group))
 
 
 def shut_tcp_connections() -> int:

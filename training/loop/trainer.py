@@ -127,6 +127,7 @@ class Trainer:
         # metrics.straggler_policy=replace: the same decision on every rank, acted on at its step (replacement.py).
         self.replacement = Replacement(config.metrics.straggler_policy)
         self.leaving = False  # this worker's node was replaced: it leaves the job (EXIT_REPLACE_NODE)
+        self.retired_groups = elastic.RetiredGroups()  # the groups of rounds this process left
         self.optimizer = build_optimizer(self.module, config.optim, fused=self.recovers)
         vocab = getattr(getattr(self.module, "size", None), "vocab", None)
         self.decoder = build_decoder(config.data.decode, self.runtime.kind) if config.data.kind == "imagefolder" else None
@@ -226,8 +227,9 @@ class Trainer:
         started = time.perf_counter()
         if broken is not None:
             self._settle_broken_step(broken)
-        elastic.leave_process_group()
-        self.model = self.module  # the old DDP wrapper holds the old group
+        # Kept: the old DDP wrapper holds the group, and its destruction must wait (elastic.RetiredGroups).
+        self.retired_groups.retire(elastic.leave_process_group())
+        self.model = self.module
         if broken is not None and self.sample_log:
             self.sample_log.close()
         self.generation += 1
@@ -1024,7 +1026,7 @@ def train(config: TrainConfig) -> TrainResult:
             broken, regroup = error, True  # also when it failed while joining the next round
             continue
         if trainer.leaving:  # its node was replaced: its checkpoint is written, the others go on without it
-            elastic.leave_process_group()
+            trainer.retired_groups.retire(elastic.leave_process_group())
             raise SystemExit(EXIT_REPLACE_NODE)
         if not (result.stopped_by_signal and trainer.regrouping):
             break
