@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import boto3
 import pytest
@@ -71,19 +70,16 @@ class CountingS3:
                 self.in_flight -= 1
 
 
-def test_uploads_overlap_up_to_the_bound_and_beat_one_at_a_time(s3_endpoint, tmp_path):
+def test_uploads_overlap_up_to_the_bound(s3_endpoint, tmp_path):
+    # Behaviour only: how many PUTs are in flight at once. What the overlap saves in wall clock is
+    # benchmarks/stage_data.py's to measure (a ratio asserted here failed a CI run on a busy machine).
     source = dataset(tmp_path / "d", 240)
     serial_s3 = CountingS3(s3_client(s3_endpoint, 1))
-    start = time.perf_counter()
     one = stage.stage_data(source, serial_s3, bucket(serial_s3, "serial"), "datasets/", concurrency=1)
-    serial = time.perf_counter() - start
     parallel_s3 = CountingS3(s3_client(s3_endpoint, 32))
-    start = time.perf_counter()
     many = stage.stage_data(source, parallel_s3, bucket(parallel_s3, "parallel"), "datasets/", concurrency=32)
-    parallel = time.perf_counter() - start
     assert one.uploaded == many.uploaded == 240
     assert serial_s3.most_in_flight == 1 and 8 < parallel_s3.most_in_flight <= 32
-    assert serial / parallel > 5, (serial, parallel)  # 240 x 20 ms of waiting, overlapped
 
 
 def test_a_failed_file_does_not_stop_the_others_and_the_rerun_uploads_only_it(s3_endpoint, tmp_path):
