@@ -156,7 +156,7 @@ SLOW_MODULES = {
     "test_operator_safety", "test_own_program", "test_prepare_imagenet", "test_recipe_training",
     "test_rendezvous_v3", "test_resume_safety", "test_slow_checkpoint_io", "test_slurm_requeue", "test_stage_data",
     "test_stop_budget", "test_stop_signals", "test_stragglers", "test_synth_offline", "test_throughput_benchmark",
-    "test_torchtitan_cpu", "test_trainctl_cli", "test_trainer_metrics", "test_trainer_output",
+    "test_torchtitan_cpu", "test_trainctl_backends", "test_trainctl_cli", "test_trainer_metrics", "test_trainer_output",
     "test_worker_lifecycle", "test_xla_training",
 }
 

@@ -18,7 +18,7 @@ from config import parse_config
 from k8s_charts.job_spec import parse_job_spec
 from tests.trainctl_fixtures import one_error
 from tests.conftest import REPO, VARIANTS
-from trainctl.batch import BatchJobs
+from trainctl.backends.batch import BatchJobs
 from trainctl.errors import UserError
 from training.contract import LAUNCHER_ENTRY, launcher_copy_command
 from typed_config import ConfigError
@@ -301,7 +301,7 @@ def test_logs_rank_on_batch_is_the_node_holding_that_rank_and_pod_is_the_node_in
     import json
 
     from trainctl import __main__ as trainctl
-    from trainctl.batch import BatchStatus
+    from trainctl.backends.batch import BatchStatus
 
     def ranks(node: int, held: list[int]) -> str:
         return json.dumps({"event": "node_ranks", "time": 1.0, "group_rank": node, "group_world_size": 2,

@@ -41,7 +41,7 @@ JOB = {
 
 
 def node_command(fsx: Path, port: int) -> list[str]:
-    """What trainctl registers for the job (trainctl.batch), with this machine's python and /fsx."""
+    """What trainctl registers for the job (trainctl.backends.batch), with this machine's python and /fsx."""
     spec = parse_job_spec(JOB, CONFIG)
     command = batch_launch_command(nproc_per_node=1, max_restarts=spec.max_restarts, python=sys.executable,
                                    master_port=port) + spec.trainer_flags(CONFIG)

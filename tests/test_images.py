@@ -70,7 +70,7 @@ def test_the_neuron_image_runs_as_the_same_user():
 
 @pytest.mark.parametrize("name", ["Dockerfile.gpu", "Dockerfile.neuron"])
 def test_the_images_keep_the_launcher_where_the_init_containers_copy_it_from(name):
-    # The launcher's init container (k8s_charts/job_charts.py launcher_container; on Batch, trainctl/batch.py,
+    # The launcher's init container (k8s_charts/job_charts.py launcher_container; on Batch, trainctl/backends/batch.py,
     # which has no working-directory setting) runs its copy in the image's WORKDIR: it must be PLATFORM_APP_DIR,
     # holding training/ whole.
     text = (DOCKER / name).read_text()

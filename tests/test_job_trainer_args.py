@@ -87,7 +87,7 @@ def test_render_refuses_a_typo_in_one_line_and_prints_no_manifest(tmp_path):
 
 
 def test_the_trainer_config_model_imports_without_torch():
-    code = ("import sys; import training.config, k8s_charts.job_spec, trainctl.jobs; "
+    code = ("import sys; import training.config, k8s_charts.job_spec, trainctl.backends.eks; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
                    env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -123,7 +123,7 @@ def test_the_job_spec_and_the_config_share_one_kubernetes_name_and_its_wording()
 
 
 def test_replacing_stragglers_is_the_specs_choice_and_gives_its_pods_a_token():
-    from trainctl.jobs import render
+    from trainctl.backends.eks import render
 
     spec = parse_job_spec(job(straggler_policy="replace"), CONFIG)
     assert "--metrics.straggler_policy=replace" in spec.trainer_flags(CONFIG)

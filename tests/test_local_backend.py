@@ -1,4 +1,4 @@
-"""``--backend local`` (trainctl/local.py), what it decides before anything starts: the job spec as a
+"""``--backend local`` (trainctl/backends/local.py), what it decides before anything starts: the job spec as a
 local run on CPU, and every mistake as one line. The runs themselves: tests/test_local_runs.py."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from config import parse_config
 from k8s_charts.job_spec import load_job_spec
 from tests.trainctl_fixtures import one_error
 from tests.conftest import REPO, example_data
-from trainctl import local
+from trainctl.backends import local
 from trainctl.__main__ import main
 from trainctl.errors import UserError
 
@@ -69,7 +69,7 @@ def test_mistakes_are_one_line_each(tmp_path, capsys, monkeypatch):
     assert "too many for this machine" in one_line(capsys, "submit", job, *work, "--nodes", "2", "--nproc-per-node",
                                                    str(limit))
     assert one_line(capsys, "submit", job, *work, "--nccl-check").startswith(
-        "error: --backend local: got --nccl-check; fix: allowed with local:")
+        "error: submit --backend local: got --nccl-check; fix: allowed with local:")
     fp16 = spec_file(tmp_path, "fp16.yaml", trainer_args={"model.name": "mlp", "train.precision": "fp16"})
     assert one_line(capsys, "submit", fp16, *work) == (
         "error: --backend local runs the job on CPU, and then trainer_args.train.precision: got \"fp16\"; "
@@ -86,12 +86,12 @@ def test_mistakes_are_one_line_each(tmp_path, capsys, monkeypatch):
     assert one_line(capsys, "status", "nope", *work) == (
         f"error: no local job 'nope' in {tmp_path}/w; fix: see `trainctl list --backend local` (--workdir if it ran "
         "elsewhere)")
-    assert one_line(capsys, "logs", "nope", *work, "--previous").startswith("error: --backend local: got --previous")
+    assert one_line(capsys, "logs", "nope", *work, "--previous").startswith("error: logs --backend local: got --previous")
     assert one_line(capsys, "cancel", "--all", *work) == (
-        "error: cancel --backend local: got --all or no name; fix: allowed: `trainctl cancel NAME --backend local`")
+        "error: cancel --backend local: got --all; fix: allowed with local: --workdir; --all is for --backend eks")
     assert one_line(capsys, "status", "Bad/Name", *work).startswith('error: job name: got "Bad/Name"')
     assert one_line(capsys, "list", "--workdir", str(tmp_path)) == (
-        "error: --backend eks: got --workdir, --nodes or --nproc-per-node; fix: allowed with --backend local only")
+        "error: list --backend eks: got --workdir; fix: allowed with eks: -o; --workdir is for --backend local")
 
 
 def test_without_any_etcd_binary_it_says_where_to_get_one(monkeypatch):
@@ -106,7 +106,7 @@ def test_without_any_etcd_binary_it_says_where_to_get_one(monkeypatch):
 
 
 def test_the_example_also_renders_for_eks():
-    from trainctl.jobs import render
+    from trainctl.backends.eks import render
 
     objects = render(CONFIG, load_job_spec(EXAMPLE, CONFIG))
     assert objects[-1]["metadata"]["name"] == "mlp-elastic"

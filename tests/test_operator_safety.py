@@ -19,7 +19,7 @@ from tests.conftest import REPO
 from tests.test_trainctl_kube import CONFIG, JOBS_PATH, SPEC
 from tests.trainctl_fixtures import kubeconfig
 from trainctl.errors import UserError
-from trainctl.jobs import Jobs, render
+from trainctl.backends.eks import Jobs, render
 
 # The fixtures of tests/trainctl_fixtures.py, under the names the tests ask for.
 server = trainctl_fixtures.server
@@ -79,17 +79,18 @@ def test_cancel_all_with_yes_deletes_each_named_job_and_never_the_collection(cli
 
 
 def test_cancel_all_asks_and_a_wrong_answer_deletes_nothing(server, monkeypatch, tmp_path, capsys):
-    from trainctl.__main__ import cancel
+    from trainctl.backends import Connection
+    from trainctl.backends.eks import EksBackend
 
-    jobs = jobs_of(server)
+    backend = EksBackend(Connection(CONFIG))
+    backend._jobs = jobs_of(server)
     server.jobs["a"] = {"metadata": {"name": "a"}}
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
-    args = type("Args", (), {"all": True, "name": None, "yes": False})
     monkeypatch.setattr("builtins.input", lambda prompt: "yes")
-    assert cancel(args, jobs) == 1 and "nothing deleted" in capsys.readouterr().out
+    assert backend.cancel_all(yes=False) == 1 and "nothing deleted" in capsys.readouterr().out
     assert "a" in server.jobs
     monkeypatch.setattr("builtins.input", lambda prompt: "training")  # the namespace, typed
-    assert cancel(args, jobs) == 0 and server.jobs == {}
+    assert backend.cancel_all(yes=False) == 0 and server.jobs == {}
 
 
 def test_cancel_needs_a_name_or_all_not_both(cli, server):
@@ -227,7 +228,7 @@ def test_a_queue_or_priority_class_the_cluster_lacks_is_refused_before_the_job_i
 
 
 def test_status_says_why_a_job_waits(server):
-    from trainctl.jobs import status
+    from trainctl.backends.eks import status
 
     jobs = jobs_of(server)
     jobs.submit(render(CONFIG, SPEC)[0])

@@ -239,3 +239,25 @@ def test_the_shared_paths_and_node_labels_are_spelled_only_in_the_contract():
                         and node.value.startswith(("/fsx", "training-platform/"))):
                     spelled.append((str(file.relative_to(REPO)), node.value))
     assert spelled and {file for file, _ in spelled} == {"training/contract.py"}, spelled
+
+
+def test_trainctl_backends_import_only_the_interface_and_main_only_dispatches():
+    """trainctl/backends/: no backend imports another (what they share is the interface module's), and
+    __main__ reaches a backend only by name, through the interface (trainctl.backends.load), and
+    compares nothing against a backend's name: the backend's own logic lives in its module."""
+    import ast
+
+    from trainctl.backends import BACKENDS
+
+    graph = import_graph()
+    # a backend's modules: its own, and its helpers beside it (slurm's SSM shell, slurm_transport)
+    own = {name: {m for m in graph if m == module or m.startswith(f"{module}_")} for name, module in BACKENDS.items()}
+    for name, modules in own.items():
+        others = set().union(*(theirs for other, theirs in own.items() if other != name))
+        for module in modules:
+            assert not graph[module] & others, (module, graph[module] & others)
+    assert not graph["trainctl.__main__"] & set().union(*own.values())
+    tree = ast.parse((REPO / "trainctl" / "__main__.py").read_text())
+    compared = {node.value for compare in ast.walk(tree) if isinstance(compare, ast.Compare)
+                for node in ast.walk(compare) if isinstance(node, ast.Constant)}
+    assert not compared & set(BACKENDS), compared & set(BACKENDS)

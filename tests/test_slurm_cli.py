@@ -8,7 +8,8 @@ import pytest
 from tests.conftest import REPO
 from tests.trainctl_fixtures import one_error
 from trainctl.__main__ import main
-from trainctl.slurm import render_for
+from trainctl.backends.eks import EksBackend
+from trainctl.backends.slurm import SlurmBackend, render_for
 from config import load_config
 from k8s_charts.job_spec import load_job_spec
 
@@ -25,7 +26,7 @@ def one_line(capsys, *argv: str) -> str:
 
 
 def test_dry_run_prints_the_script_and_contacts_nothing(capsys, monkeypatch):
-    monkeypatch.setattr("trainctl.__main__._slurm_shell", lambda *a: pytest.fail("a dry run contacted the cluster"))
+    monkeypatch.setattr(SlurmBackend, "client", property(lambda self: pytest.fail("a dry run contacted the cluster")))
     assert main(["--config", SLURM_CONFIG, "submit", RESNET, "--backend", "slurm", "--dry-run"]) == 0
     out, err = capsys.readouterr()
     config = load_config(SLURM_CONFIG)
@@ -42,21 +43,26 @@ def test_dry_run_prints_the_script_and_contacts_nothing(capsys, monkeypatch):
      "error: node_group: got 'trn1', which has no Slurm queue; fix: allowed with --backend slurm: p4d "
      "(slurm.queues in the platform config)"),
     (["--config", SLURM_CONFIG, "submit", RESNET, "--backend", "slurm", "--replace"],
-     "error: --backend slurm: got --replace; fix: allowed with slurm: --dry-run, --wait, --python; read logs with "
-     "`trainctl logs NAME --backend slurm`"),
+     "error: submit --backend slurm: got --replace; fix: allowed with slurm: --dry-run, --on-head-node, --python, "
+     "--wait (--dry-run prints the sbatch script); --replace is for --backend eks or batch or local"),
     (["--config", SLURM_CONFIG, "submit", RESNET, "--backend", "slurm", "--dry-run=server"],
-     "error: --backend slurm: got --dry-run=server; fix: allowed: --dry-run (prints the sbatch script)"),
+     "error: submit --backend slurm: got --dry-run=server; fix: allowed with slurm: --dry-run, --on-head-node, "
+     "--python, --wait (--dry-run prints the sbatch script); --dry-run=server is for --backend eks"),
     (["--config", SLURM_CONFIG, "cancel", "--all", "--backend", "slurm"],
-     "error: cancel --backend slurm: got --all or no name; fix: allowed: `trainctl cancel NAME --backend slurm`"),
+     "error: cancel --backend slurm: got --all; fix: allowed with slurm: --on-head-node; --all is for --backend eks"),
+    (["--config", SLURM_CONFIG, "cancel", "--backend", "slurm"],
+     "error: cancel: got neither a name nor --all; fix: allowed: `trainctl cancel NAME`"),
     (["--config", SLURM_CONFIG, "logs", "x", "--follow", "--backend", "slurm"],
-     "error: logs --backend slurm: got --follow; fix: allowed with slurm: --rank or --pod (each node's log file on "
-     "/fsx, every incarnation appended)"),
+     "error: logs --backend slurm: got --follow; fix: allowed with slurm: --on-head-node, --pod, --rank (each node's "
+     "log file on /fsx, every incarnation appended); --follow is for --backend eks or local"),
     (["--config", SLURM_CONFIG, "submit", RESNET, "--python", "/usr/bin/python3"],
-     "error: --backend eks: got --python; fix: allowed with --backend slurm only"),
+     "error: submit --backend eks: got --python; fix: allowed with eks: --dry-run, --dry-run=server, --follow, "
+     "--nccl-check, --replace, --wait; --python is for --backend slurm"),
     (["--config", SLURM_CONFIG, "status", "x", "--on-head-node"],
-     "error: --backend eks: got --on-head-node; fix: allowed with --backend slurm only"),
+     "error: status --backend eks: got --on-head-node; fix: allowed with eks: --watch, -o; --on-head-node is for "
+     "--backend slurm"),
 ])
 def test_mistakes_are_one_line_before_any_cluster_is_reached(capsys, monkeypatch, argv, expected):
-    monkeypatch.setattr("trainctl.__main__._slurm_shell", lambda *a: pytest.fail("reached for the cluster"))
-    monkeypatch.setattr("trainctl.__main__.connect", lambda *a: pytest.fail("reached for EKS"), raising=False)
+    monkeypatch.setattr(SlurmBackend, "client", property(lambda self: pytest.fail("reached for the cluster")))
+    monkeypatch.setattr(EksBackend, "client", property(lambda self: pytest.fail("reached for EKS")))
     assert one_line(capsys, *argv).removesuffix(f" [config {argv[1]} (from --config)]") == expected

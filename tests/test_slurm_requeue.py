@@ -23,7 +23,7 @@ import yaml
 from tests.conftest import REPO
 from tests.slurm_cluster import SlurmCluster, missing
 from tests.trainctl_fixtures import one_error
-from trainctl.slurm import log_folder
+from trainctl.backends.slurm import log_folder
 from training.devtools.drills import GLOBAL_BATCH, INTERVAL, every_sample_once, final_checkpoint
 from training.devtools.local_cluster import wait_until
 
@@ -251,8 +251,8 @@ def test_the_same_status_through_ssm_run_command(slurm, requeued, tmp_path, monk
 
     from tests.local_ssm import LocalSsm
     from tests.test_slurm_transport import REGION, launch
-    from trainctl.slurm import SlurmJobs
-    from trainctl.slurm_transport import SsmShell
+    from trainctl.backends.slurm import SlurmJobs
+    from trainctl.backends.slurm_transport import SsmShell
     from config import PlatformConfig
 
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):

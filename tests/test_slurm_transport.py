@@ -15,7 +15,7 @@ from tests.local_ssm import LocalSsm
 from tests import test_trainctl_aws
 from tests.test_trainctl_aws import REGION
 from trainctl.errors import UserError
-from trainctl.slurm_transport import (
+from trainctl.backends.slurm_transport import (
     CLUSTER_NAME_TAG, HEAD_NODE, NODE_TYPE_TAG, Completed, LocalShell, OutputTruncated, SsmShell,
 )
 

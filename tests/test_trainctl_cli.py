@@ -113,7 +113,7 @@ def test_list_and_status_print_json_and_yaml_for_scripts(cli, server):
     server.phases = ["Running"]
     code, out, _ = cli("list", "-o", "json", "--context", "lab")
     text = cli("list", "--context", "lab")[1].split()
-    assert code == 0 and json.loads(out) == [{"name": "resnet50-imagenet", "phase": text[1]}]
+    assert code == 0 and json.loads(out) == [{"name": "resnet50-imagenet", "state": text[1]}]
     code, out, _ = cli("status", "resnet50-imagenet", "--output", "yaml", "--context", "lab")
     report = yaml.safe_load(out)
     assert code == 0 and report["name"] == "resnet50-imagenet" and report["phase"] == "Running"

@@ -14,7 +14,7 @@ from config import parse_config
 from k8s_charts.job_spec import load_job_spec, parse_job_spec
 from tests.conftest import REPO, example_data
 from trainctl.errors import UserError
-from trainctl.jobs import Jobs, pod_at_index, pod_for_rank, render, render_text, status
+from trainctl.backends.eks import Jobs, pod_at_index, pod_for_rank, render, render_text, status
 
 CONFIG = parse_config(example_data())
 SPEC_PATH = REPO / "k8s_charts" / "examples" / "resnet50-p4d.yaml"

@@ -6,17 +6,16 @@ import argparse
 import re
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from config import ConfigError
+from trainctl.backends import BACKENDS, DEFAULT_BACKEND, JOB_COMMANDS
 from trainctl.config_source import CONFIG_ENV, ConfigSource
 from training.contract import checkpoint_step
 
 WATCH_INTERVAL_S = 10
 # Commands that act on an AWS account, and those that act on the jobs of a cluster.
 ACCOUNT_COMMANDS = ("preflight", "stage-data", "checkpoints")
-JOB_COMMANDS = ("submit", "status", "cancel", "logs", "list")
 
 
 def _version() -> str:
@@ -116,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                                             help="text for people (default), json or yaml for scripts")
     for name in JOB_COMMANDS:
         commands.choices[name].add_argument(
-            "--backend", choices=("eks", "batch", "slurm", "local"), default="eks",
+            "--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND,
             help="eks (Volcano on the cluster, elastic), batch (AWS Batch multi-node parallel, fixed size), "
                  "slurm (the ParallelCluster of the slurm stack, requeued on a lost node) or "
-                 "local (this machine, CPU, a real etcd and agents: trainctl.local)")
+                 "local (this machine, CPU, a real etcd and agents: trainctl.backends.local)")
         commands.choices[name].add_argument("--workdir", type=Path,
                                             help="--backend local: its folder (default ~/.cache/trainctl-local)")
         commands.choices[name].add_argument(
@@ -159,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         source = find_config(args.config)
         config = load_config(source.path, missing_hint=f"the config comes from {source.origin}; pass an existing "
                              "platform config with --config PATH")
-        print(header(args, config, source), file=sys.stderr, flush=True)
-        return run(args, config)
+        return run(parser, args, config, source)
     except ConfigError as exc:
         for line in str(exc).splitlines():
             print(f"config error: {line}{_naming(source, exc.source)}", file=sys.stderr)
@@ -189,36 +187,75 @@ def _naming(source: ConfigSource | None, about: str | None = None) -> str:
     return f" [config {source}]"
 
 
+def _connection(args, config):
+    from trainctl.backends import Connection
+
+    return Connection(config, profile=args.profile, context=args.context,
+                      on_head_node=getattr(args, "on_head_node", False), workdir=getattr(args, "workdir", None))
+
+
 def header(args, config, source: ConfigSource) -> str:
     """One line on stderr, before a command acts: which config, and what it acts on."""
+    from trainctl.backends import load
+
     line = f"trainctl: config {source}"
-    backend = getattr(args, "backend", "eks")
     if args.command in ACCOUNT_COMMANDS:
         account = f"AWS account {config.account}" if config.account else "the AWS account of your credentials"
         return f"{line}; {account}, {config.region}"
-    if backend == "batch":
-        return f"{line}; AWS Batch in {config.region}"
-    if backend == "local":
-        return f"{line}; this machine (--backend local, CPU)"
-    if backend == "slurm":
-        how = "this machine as its head node" if args.on_head_node else "its head node through SSM"
-        return f"{line}; Slurm cluster {config.slurm_cluster_name if config.slurm else '(none)'} in {config.region}, {how}"
-    cluster = f"kubeconfig context {args.context}" if args.context else (
-        f"cluster {config.name_prefix} in {config.region}")
-    if args.command == "nodes":
-        return f"{line}; {cluster}"
-    verb = "for " if args.command == "render" else ""
-    return f"{line}; {verb}{cluster}, namespace {config.jobs.namespace}"
+    # render and nodes are the cluster's: the eks backend's
+    return f"{line}; {load(getattr(args, 'backend', DEFAULT_BACKEND)).where(_connection(args, config), args.command)}"
 
 
 def _session(args):
-    import boto3
+    from trainctl.backends import Connection
 
-    return boto3.Session(profile_name=args.profile) if args.profile else boto3.Session()
+    return Connection(config=None, profile=args.profile).aws_session()
 
 
-def run(args, config) -> int:
+# Options every job command takes whatever the backend: not the backend's to honour or refuse.
+_COMMON_OPTIONS = {"config", "profile", "context", "backend", "help", "interval"}
+
+
+def given_options(parser: argparse.ArgumentParser, args) -> list[tuple[str, str]]:
+    """Each option the user gave the command, as (its spelling in Backend.options, as typed)."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    given = []
+    for action in commands.choices[args.command]._actions:
+        value = getattr(args, action.dest, action.default)
+        if not action.option_strings or action.dest in _COMMON_OPTIONS or value == action.default:
+            continue
+        if action.dest == "output":
+            given.append(("-o", f"-o {value}"))
+        elif action.dest == "dry_run":
+            given.append(("--dry-run=server",) * 2 if value == "server" else ("--dry-run",) * 2)
+        else:
+            flag = max(action.option_strings, key=len)
+            given.append((flag, flag))
+    return given
+
+
+def _check_combinations(args, backend) -> None:
+    """What no backend can do: options that contradict each other."""
+    from trainctl.errors import UserError, check_name
+
+    command = args.command
+    if command == "cancel" and args.all == (args.name is not None):
+        allowed = "`trainctl cancel NAME`" + (", or `trainctl cancel --all` for every job"
+                                               if "--all" in backend.options["cancel"] else "")
+        raise UserError(f"cancel: got {'both a name and --all' if args.all else 'neither a name nor --all'}",
+                        f"allowed: {allowed}")
+    if command == "logs" and args.all and args.follow:
+        raise UserError("logs: got --all with --follow", "allowed: --follow with one --rank or --pod")
+    if command == "submit" and args.dry_run and (args.follow or args.wait):
+        raise UserError(f"--dry-run: got {'--follow' if args.follow else '--wait'}",
+                        "allowed with --dry-run: --replace and --nccl-check (nothing runs to wait for)")
+    if getattr(args, "name", None) is not None:
+        check_name("job name", args.name)
+
+
+def run(parser, args, config, source: ConfigSource) -> int:
     args.region = config.region
+    print(header(args, config, source), file=sys.stderr, flush=True)
     if args.command == "preflight":
         from trainctl.preflight import format_table, run_preflight
 
@@ -232,192 +269,81 @@ def run(args, config) -> int:
     if args.command == "nodes":
         return nodes(args, config)
     from k8s_charts.job_spec import load_job_spec
-    from trainctl.jobs import manifests_of, render_text
 
     if args.command == "render":
-        print(render_text(config, load_job_spec(args.job, config), args.nccl_check), end="")
+        from trainctl.backends import load
+
+        # what `submit` would apply to the cluster: the eks backend's manifests
+        print(load("eks").render(config, load_job_spec(args.job, config), args.nccl_check), end="")
         return 0
-    if getattr(args, "backend", "eks") == "local":
-        from trainctl import local
+    return run_job_command(parser, args, config)
 
-        return local.run(args, config)
-    if any(getattr(args, option, None) is not None for option in ("workdir", "nodes", "nproc_per_node")):
-        from trainctl.errors import UserError
 
-        raise UserError(f"--backend {args.backend}: got --workdir, --nodes or --nproc-per-node",
-                        "allowed with --backend local only")
-    if getattr(args, "backend", "eks") == "slurm":
-        return slurm(args, config)
-    if getattr(args, "on_head_node", False) or getattr(args, "python", None):
-        from trainctl.errors import UserError
+def run_job_command(parser, args, config) -> int:
+    """submit, status, logs, cancel and list, the same way on every backend (trainctl.backends)."""
+    from trainctl.backends import LogOptions, SubmitOptions, load, refuse_unsupported
 
-        raise UserError(f"--backend {args.backend}: got {'--on-head-node' if args.on_head_node else '--python'}",
-                        "allowed with --backend slurm only")
-    if getattr(args, "backend", "eks") == "batch":
-        return batch(args, config)
+    backend_class = load(args.backend)
+    refuse_unsupported(backend_class, args.command, given_options(parser, args))
+    _check_combinations(args, backend_class)
+    backend = backend_class(_connection(args, config))
     if args.command == "submit":
-        text = render_text(config, load_job_spec(args.job, config), args.nccl_check)
-        objects = manifests_of(text)
-        if args.dry_run:
-            return dry_run(args, config, objects, text)
-        jobs = connect(args, config)
-        for obj in objects:
-            name = jobs.submit(obj, args.replace, on_wait=lambda n: _say(f"waiting until the old {n} is gone"))
-            print(f"submitted {name} to {config.jobs.namespace}")
-        if args.follow:
-            return follow(jobs, objects[-1]["metadata"]["name"], args.interval)
-        if args.wait:
-            return wait(jobs, objects[-1]["metadata"]["name"], args.interval)
-        return 0
-    if args.command == "cancel":
-        return cancel(args, connect(args, config))
-    return watch(args, connect(args, config))
+        from k8s_charts.job_spec import load_job_spec
 
-
-def dry_run(args, config, objects: list[dict], text: str) -> int:
-    """``submit --dry-run``: the manifests on stdout, as ``render`` prints them; with ``server``, each
-    one also created with dryRun=All (schema, admission webhooks, quota and the caller's create
-    permission, nothing stored), after the same checks as a real submit."""
-    from trainctl.errors import UserError
-
-    if args.follow or args.wait:
-        raise UserError(f"--dry-run: got {'--follow' if args.follow else '--wait'}",
-                        "allowed with --dry-run: --replace and --nccl-check (nothing runs to wait for)")
-    if args.dry_run == "server":
-        jobs = connect(args, config)
-        for obj in objects:
-            jobs.submit(obj, args.replace, dry_run=True)
-            _say(f"{obj['metadata']['name']}: the API server would accept it (server dry run, nothing created)")
-    print(text, end="")
-    return 0
-
-
-def batch(args, config) -> int:
-    """submit, status, logs, cancel and list on AWS Batch (trainctl.batch)."""
-    from k8s_charts.job_spec import load_job_spec
-    from trainctl.batch import BatchJobs
-    from trainctl.errors import UserError
-
-    if args.command == "submit":
-        spec = load_job_spec(args.job, config)  # checked before any AWS call
-        if args.dry_run:
-            raise UserError("--backend batch: got --dry-run", "allowed: --dry-run with the eks backend; "
-                            "`trainctl render JOB` shows what would run")
-        if args.nccl_check or args.follow:
-            raise UserError(f"--backend batch: got {'--nccl-check' if args.nccl_check else '--follow'}",
-                            "allowed with batch: --replace and --wait; read logs with `trainctl logs --backend batch`")
-        jobs = BatchJobs(_session(args), config)
-        job_id = jobs.submit(spec, args.replace)
-        print(f"submitted {spec.name} to AWS Batch ({job_id}), {spec.max_nodes} nodes")
-        if args.wait:
-            def batch_state():
-                report = jobs.status(spec.name)
-                return f"{spec.name}: {report.state}", report.finished, report.state == "SUCCEEDED"
-
-            return _wait_for_end(batch_state, args.interval)
-        return 0
-    _one_named_job(args, "batch", "each node's log in CloudWatch Logs, the newest attempt")
-    jobs = BatchJobs(_session(args), config)
-    if args.command == "status":
-        report = jobs.status(args.name)
-        print(report.format() if args.output == "text" else _dump(asdict(report), args.output))
-    elif args.command == "logs":
-        node = args.pod if args.pod is not None else jobs.node_for_rank(args.name, args.rank or 0)
-        print(jobs.log(args.name, node), end="")
-    elif args.command == "cancel":
-        jobs.cancel(args.name)
-        print(f"cancelled {args.name} on AWS Batch; checkpoints stay on the file system and in S3")
-    elif args.command == "list":
-        listed = [{"name": job_name, "state": state} for job_name, state in jobs.list()]
-        if args.output != "text":
-            print(_dump(listed, args.output))
-        for row in listed if args.output == "text" else ():
-            print(f"{row['name']:<40} {row['state']}")
-    return 0
-
-
-def _one_named_job(args, backend: str, logs: str) -> None:
-    """What the Batch and Slurm backends refuse before any call: cancel without exactly one name, the logs
-    options they cannot honour (their logs are files, not a pod's stream), a name that is not a job name."""
-    from trainctl.errors import UserError, check_name
-
-    if args.command == "cancel" and (args.all or args.name is None):
-        raise UserError(f"cancel --backend {backend}: got --all or no name",
-                        f"allowed: `trainctl cancel NAME --backend {backend}`")
-    if args.command == "logs":
-        unsupported = [f"--{o}" for o in ("all", "follow", "previous", "since") if getattr(args, o)]
-        if unsupported:
-            raise UserError(f"logs --backend {backend}: got {unsupported[0]}",
-                            f"allowed with {backend}: --rank or --pod ({logs})")
-    name = getattr(args, "name", None)
-    if name is not None:
-        check_name("job name", name)
-
-
-def slurm(args, config) -> int:
-    """submit, status, logs, cancel and list on the slurm stack's ParallelCluster (trainctl.slurm)."""
-    from k8s_charts.job_spec import load_job_spec
-    from trainctl.errors import UserError
-    from trainctl.slurm import SlurmJobs, SlurmRuntime, render_for
-
-    if config.slurm is None:
-        raise UserError("--backend slurm: this platform has no slurm section",
-                        "add `slurm: {queues: [{node_group: ...}]}` to the config and deploy "
-                        "(see config/slurm-example.yaml)")
-    if args.command == "submit":
-        spec = load_job_spec(args.job, config)
-        script = render_for(config, spec, SlurmRuntime(python=args.python))  # checked before any call
-        if args.nccl_check or args.follow or args.replace:
-            given = "--nccl-check" if args.nccl_check else "--follow" if args.follow else "--replace"
-            raise UserError(f"--backend slurm: got {given}", "allowed with slurm: --dry-run, --wait, --python; "
-                            "read logs with `trainctl logs NAME --backend slurm`")
-        if args.dry_run:
-            if args.dry_run == "server":
-                raise UserError("--backend slurm: got --dry-run=server", "allowed: --dry-run (prints the sbatch script)")
-            print(script, end="")
+        submitted = backend.submit(load_job_spec(args.job, config), SubmitOptions(
+            replace=args.replace, dry_run=args.dry_run, nccl_check=args.nccl_check, python=args.python,
+            nodes=args.nodes, nproc_per_node=args.nproc_per_node))
+        if submitted.exit_code is not None:  # it ran in the foreground, to its end
+            return submitted.exit_code
+        if submitted.name is None:
             return 0
-        jobs = SlurmJobs(_slurm_shell(args, config), config)
-        job_id = jobs.submit(spec, script)
-        print(f"submitted {spec.name} to Slurm (job {job_id}), {spec.min_nodes}..{spec.max_nodes} nodes "
-              f"of queue {spec.node_group}")
+        if args.follow:
+            return backend.follow(submitted.name, args.interval)
         if args.wait:
-            def slurm_state():
-                report = jobs.status(spec.name)
-                requeued = f" (requeued {report.restarts})" if report.restarts else ""
-                return f"{spec.name}: {report.state}{requeued}", report.finished, report.state == "COMPLETED"
-
-            return _wait_for_end(slurm_state, args.interval)
+            return _wait_for_end(backend, submitted.name, args.interval)
         return 0
-    _one_named_job(args, "slurm", "each node's log file on /fsx, every incarnation appended")
-    jobs = SlurmJobs(_slurm_shell(args, config), config)
     if args.command == "status":
-        report = jobs.status(args.name)
-        print(report.format() if args.output == "text" else _dump(report.as_dict(), args.output))
-    elif args.command == "logs":
-        text = jobs.logs(args.name, rank=args.rank, pod=args.pod)
-        if jobs.note:
-            _say(jobs.note)
-        print(text, end="")
-    elif args.command == "cancel":
-        ids = jobs.cancel(args.name)
-        print(f"cancelled {args.name} (Slurm job {', '.join(ids)}): its nodes checkpoint within KillWait; "
-              "checkpoints stay on /fsx")
-    elif args.command == "list":
-        listed = [{"name": row["name"], "job_id": row["job_id"], "state": row["state"], "nodes": row["nodes"]}
-                  for row in jobs.jobs()]
+        while True:
+            report = backend.status(args.name)
+            if args.watch and sys.stdout.isatty() and args.output == "text":
+                print("\033[H\033[J", end="")  # clear the screen, as `watch` does
+            print(report.format() if args.output == "text" else _dump(report.as_dict(), args.output), flush=True)
+            if not args.watch or report.finished:
+                return 0
+            time.sleep(args.interval)
+            if not sys.stdout.isatty():
+                print()
+    if args.command == "list":
+        rows = backend.jobs()
         if args.output != "text":
-            print(_dump(listed, args.output))
-        for row in listed if args.output == "text" else ():
-            print(f"{row['name']:<40} {row['state']:<12} job {row['job_id']}, {row['nodes']} node(s)")
+            print(_dump(rows, args.output))
+        else:
+            print("\n".join(backend.list_line(row) for row in rows) if rows else backend.nothing_listed())
+        return 0
+    if args.command == "logs":
+        backend.logs(args.name, LogOptions(rank=args.rank, pod=args.pod, all=args.all, follow=args.follow,
+                                           previous=args.previous, since_s=args.since))
+        return 0
+    if args.all:  # cancel
+        return backend.cancel_all(args.yes)
+    print(backend.cancel(args.name))
     return 0
 
 
-def _slurm_shell(args, config):
-    from trainctl.slurm_transport import LocalShell, SsmShell
+def _wait_for_end(backend, name: str, interval_s: float) -> int:
+    """Until the job ends, saying each new state (each backend's own: EKS phases, Batch and Slurm job
+    states); 0 if it succeeded."""
+    from trainctl.backends import say
 
-    if args.on_head_node:
-        return LocalShell()
-    return SsmShell(_session(args), region=config.region, cluster_name=config.slurm_cluster_name)
+    said = None
+    while True:
+        report = backend.status(name)
+        if report.summary() != said:
+            said = report.summary()
+            say(said)
+        if report.finished:
+            return 0 if report.succeeded else 1
+        time.sleep(interval_s)
 
 
 def _dump(data, output: str) -> str:
@@ -427,10 +353,6 @@ def _dump(data, output: str) -> str:
     import yaml
 
     return json.dumps(data, indent=2, default=str) if output == "json" else yaml.safe_dump(data, sort_keys=False).rstrip()
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def stage(args, config) -> int:
@@ -478,134 +400,6 @@ def list_checkpoints(args, config) -> int:
     return 0
 
 
-def cancel(args, jobs) -> int:
-    from trainctl.errors import UserError
-
-    if args.all == (args.name is not None):
-        raise UserError(f"cancel: got {'both a name and --all' if args.all else 'neither a name nor --all'}",
-                        "allowed: `trainctl cancel NAME`, or `trainctl cancel --all` for every job")
-    if not args.all:
-        jobs.cancel(args.name)
-        print(f"cancelled {args.name}; checkpoints stay on the file system and in S3")
-        return 0
-    names = [job["metadata"]["name"] for job in jobs.list()]
-    if not names:
-        print(f"no jobs in {jobs.namespace}")
-        return 0
-    if not args.yes:
-        if not sys.stdin.isatty():
-            raise UserError(f"cancel --all would delete {len(names)} jobs in {jobs.namespace} and nobody can confirm",
-                            "run it in a terminal, or add --yes")
-        answer = input(f"delete {len(names)} jobs in {jobs.namespace} ({', '.join(names)})? "
-                       f"type the namespace to confirm: ")
-        if answer.strip() != jobs.namespace:
-            print("nothing deleted")
-            return 1
-    for name in names:  # one DELETE per named job, never one on the collection
-        jobs.cancel(name)
-        print(f"cancelled {name}")
-    print("checkpoints stay on the file system and in S3")
-    return 0
-
-
-def wait(jobs, name: str, interval_s: float = WATCH_INTERVAL_S) -> int:
-    """Until the job ends, saying each change of phase and why it waits; 0 if it completed."""
-    from trainctl.jobs import status
-
-    def phase():
-        report = status(jobs, name)
-        line = f"{name}: {report.phase}" + (f" ({report.waiting[-1]})" if report.waiting else "")
-        return line, report.finished, report.phase == "Completed"
-
-    return _wait_for_end(phase, interval_s)
-
-
-def _wait_for_end(read, interval_s: float) -> int:
-    """Until the job ends, saying each new line ``read()`` gives; 0 if it succeeded. ``read`` returns
-    (line, finished, succeeded): each backend's own states (EKS phases, Batch and Slurm job states)."""
-    said = None
-    while True:
-        line, finished, succeeded = read()
-        if line != said:
-            _say(line)
-            said = line
-        if finished:
-            return 0 if succeeded else 1
-        time.sleep(interval_s)
-
-
-def follow(jobs, name: str, interval_s: float = WATCH_INTERVAL_S) -> int:
-    """Rank 0's log from when its pod runs until the job ends (again after each restart or regroup:
-    rank 0 may then be on another pod)."""
-    from trainctl.errors import UserError
-    from trainctl.jobs import pod_for_rank, status
-
-    while True:
-        report = status(jobs, name)
-        if report.finished:
-            _say(f"{name}: {report.phase}")
-            return 0 if report.phase == "Completed" else 1
-        try:
-            pod = pod_for_rank(jobs, name, 0)
-        except UserError:  # no group formed yet
-            pod = None
-        if any(row[0] == pod and row[2] == "Running" for row in report.pods):
-            for chunk in jobs.log(pod, follow=True).stream():
-                sys.stdout.write(chunk.decode(errors="replace"))
-            continue
-        _say(f"{name}: {report.phase}" + (f" ({report.waiting[-1]})" if report.waiting else ""))
-        time.sleep(interval_s)
-
-
-def watch(args, jobs) -> int:
-    from trainctl.jobs import pod_at_index, pod_for_rank, status
-
-    if args.command == "status":
-        while True:
-            report = status(jobs, args.name)
-            if args.watch and sys.stdout.isatty() and args.output == "text":
-                print("\033[H\033[J", end="")  # clear the screen, as `watch` does
-            print(report.format() if args.output == "text" else _dump(report.as_dict(), args.output), flush=True)
-            if not args.watch or report.finished:
-                return 0
-            time.sleep(args.interval)
-            if not sys.stdout.isatty():
-                print()
-    elif args.command == "list":
-        listed = [{"name": job["metadata"]["name"], "phase": (job.get("status") or {}).get("state", {}).get(
-            "phase", "Pending")} for job in jobs.list()]
-        if args.output != "text":
-            print(_dump(listed, args.output))
-        for row in listed if args.output == "text" else ():
-            print(f"{row['name']:<40} {row['phase']}")
-    elif args.command == "logs":
-        options = {"previous": args.previous, "since_s": args.since}
-        if args.all:
-            pods = sorted(p.metadata.name for p in jobs.pods(args.name))
-        elif args.pod is not None:
-            pods = [pod_at_index(jobs, args.name, args.pod)]
-        else:
-            pods = [pod_for_rank(jobs, args.name, args.rank or 0)]
-        if args.all and not pods:
-            from trainctl.errors import UserError
-
-            raise UserError(f"job {args.name!r} has no pods", "see `trainctl status " + args.name + "`")
-        if args.all and args.follow:
-            from trainctl.errors import UserError
-
-            raise UserError("logs: got --all with --follow", "allowed: --follow with one --rank or --pod")
-        for pod in pods:
-            if args.follow:
-                for chunk in jobs.log(pod, follow=True, **options).stream():
-                    sys.stdout.write(chunk.decode(errors="replace"))
-            elif args.all:
-                for line in jobs.log(pod, **options).splitlines():
-                    print(f"[{pod}] {line}")
-            else:
-                print(jobs.log(pod, **options), end="")
-    return 0
-
-
 def nodes(args, config) -> int:
     from kubernetes import client
 
@@ -623,13 +417,6 @@ def nodes(args, config) -> int:
         raise error from None
     print(format_rows(rows) if args.output == "text" else _dump(as_dicts(rows), args.output))
     return 0
-
-
-def connect(args, config):
-    from trainctl.jobs import Jobs
-    from trainctl.kube import api_client
-
-    return Jobs(api_client(_session(args), config.name_prefix, config.region, args.context), config.jobs.namespace)
 
 
 def stack_outputs(session, config, stack: str, *keys: str) -> list[str]:

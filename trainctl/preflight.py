@@ -362,7 +362,7 @@ def cluster_stack_check(cloudformation, cluster_name: str, pcluster_version: str
 def head_node_ssm_check(ec2, ssm, *, cluster_name: str, region: str) -> Check:
     """trainctl reaches Slurm through SSM Run Command on the head node: its agent must be Online."""
     from trainctl.errors import UserError
-    from trainctl.slurm_transport import find_head_node, not_registered, ssm_ping_status
+    from trainctl.backends.slurm_transport import find_head_node, not_registered, ssm_ping_status
 
     name = f"head node of {cluster_name} online in SSM"
     try:

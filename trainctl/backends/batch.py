@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from config import PlatformConfig
 from k8s_charts.job_spec import JobSpec
+from trainctl.backends import Backend, Connection, LogOptions, SubmitOptions, Submitted, newest_claim, rank_claim
 from trainctl.errors import UserError, check_name
 from training.contract import (
     LAUNCHER_ENTRY, LAUNCHER_MOUNT, SPOT_NOTICE_ENV, batch_launch_command, launcher_copy_command,
@@ -41,6 +42,16 @@ class BatchStatus:
     @property
     def finished(self) -> bool:
         return self.state not in ACTIVE_STATES
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state == "SUCCEEDED"
+
+    def summary(self) -> str:
+        return f"{self.name}: {self.state}"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "finished": self.finished}
 
     def format(self) -> str:
         lines = [f"job {self.name} (AWS Batch {self.job_id}): {self.state}" + (f" ({self.reason})" if self.reason else ""),
@@ -186,9 +197,7 @@ class BatchJobs:
 
     def node_for_rank(self, name: str, rank: int) -> int:
         """The node whose workers hold global rank ``rank``, from its agent's newest ``node_ranks``
-        line, as on EKS (trainctl.jobs.pod_for_rank)."""
-        from trainctl.jobs import newest_claim, rank_claim
-
+        line, as on EKS (trainctl.backends.eks.pod_for_rank)."""
         claims = {}
         for node in range(self.status(name).nodes):
             with contextlib.suppress(UserError):  # no log yet
@@ -209,3 +218,55 @@ class BatchJobs:
                         jobQueue=self.config.batch_name(group), jobStatus=state):
                     jobs += [(j["jobName"], j["status"]) for j in page["jobSummaryList"]]
         return sorted(jobs)
+
+
+class BatchBackend(Backend):
+    name = "batch"
+    options = {
+        "submit": frozenset({"--replace", "--wait"}),
+        "status": frozenset({"--watch", "-o"}),
+        "logs": frozenset({"--rank", "--pod"}),
+        "list": frozenset({"-o"}),
+    }
+    hints = {"logs": "each node's log in CloudWatch Logs, the newest attempt",
+             "submit": "`trainctl render JOB` shows what would run"}
+
+    def __init__(self, connection: Connection):
+        super().__init__(connection)
+        self._jobs: BatchJobs | None = None
+
+    @classmethod
+    def where(cls, connection: Connection, command: str) -> str:
+        return f"AWS Batch in {connection.config.region}"
+
+    @property
+    def client(self) -> BatchJobs:
+        if self._jobs is None:
+            self._jobs = BatchJobs(self.connection.aws_session(), self.config)
+        return self._jobs
+
+    def submit(self, spec: JobSpec, options: SubmitOptions) -> Submitted:
+        job_id = self.client.submit(spec, options.replace)
+        print(f"submitted {spec.name} to AWS Batch ({job_id}), {spec.max_nodes} nodes")
+        return Submitted(spec.name)
+
+    def status(self, name: str) -> BatchStatus:
+        return self.client.status(check_name("job name", name))
+
+    def jobs(self) -> list[dict]:
+        return [{"name": name, "state": state} for name, state in self.client.list()]
+
+    def nothing_listed(self) -> str:
+        return "no active jobs in the platform's AWS Batch queues"
+
+    def logs(self, name: str, options: LogOptions) -> None:
+        check_name("job name", name)
+        node = options.pod if options.pod is not None else self.client.node_for_rank(name, options.rank or 0)
+        print(self.client.log(name, node), end="")
+
+    def cancel(self, name: str) -> str:
+        self.client.cancel(check_name("job name", name))
+        return f"cancelled {name} on AWS Batch; checkpoints stay on the file system and in S3"
+
+
+BACKEND = BatchBackend

@@ -1,8 +1,9 @@
-"""Render, submit, watch and cancel training jobs (Volcano Jobs rendered from a job spec)."""
+"""``--backend eks`` (the default): Volcano Jobs rendered from the job spec, on the platform's EKS cluster,
+through the Kubernetes API (an EKS token, or a kubeconfig context)."""
 
 from __future__ import annotations
 
-import json
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -11,8 +12,10 @@ import yaml
 from config import PlatformConfig
 from config.catalog import Accelerator
 from k8s_charts.job_spec import JobSpec
+from trainctl.backends import (
+    Backend, Connection, LogOptions, SubmitOptions, Submitted, metrics_events, newest_claim, rank_claim, say,
+)
 from trainctl.errors import UserError, check_name, from_kube
-from training.contract import NODE_RANKS_EVENT
 
 GROUP, VERSION, PLURAL = "batch.volcano.sh", "v1alpha1", "jobs"
 QUEUES = ("scheduling.volcano.sh", "v1beta1", "queues")
@@ -222,6 +225,13 @@ class JobStatus:
     def finished(self) -> bool:
         return self.phase in FINISHED_PHASES
 
+    @property
+    def succeeded(self) -> bool:
+        return self.phase == "Completed"
+
+    def summary(self) -> str:
+        return f"{self.name}: {self.phase}" + (f" ({self.waiting[-1]})" if self.waiting else "")
+
     def as_dict(self) -> dict:
         """For ``-o json|yaml``: the text's fields, the pods as mappings."""
         return {"name": self.name, "phase": self.phase, "finished": self.finished,
@@ -284,35 +294,6 @@ def status(jobs: Jobs, name: str, tail: int = 2000) -> JobStatus:
                      stragglers)
 
 
-def metrics_events(log_text: str) -> list[dict]:
-    """The trainer's JSON lines in a pod log (rank 0 writes them)."""
-    events = []
-    for line in log_text.splitlines():
-        if line.startswith('{"event"'):
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return events
-
-
-def rank_claim(log_text: str, rank: int) -> float | None:
-    """When a node's agent last said its workers hold global rank ``rank`` (its newest
-    ``node_ranks`` line, training/launcher/agent.py), or None if that line does not name it."""
-    rounds = [e for e in metrics_events(log_text) if e["event"] == NODE_RANKS_EVENT]
-    return rounds[-1]["time"] if rounds and rank in rounds[-1]["global_ranks"] else None
-
-
-def newest_claim(claims: dict, rank: int, name: str, what: str, where: str):
-    """The key of the newest claim on ``rank``, or one line saying none holds it."""
-    held = {key: at for key, at in claims.items() if at is not None}
-    if not held:
-        raise UserError(f"--rank: got {rank}, which no {what} of {name} holds now",
-                        f"allowed: a rank below the world size {where} once the job has formed its group; "
-                        f"`--pod INDEX` picks a {what} by its index instead")
-    return max(held, key=held.get)
-
-
 def pod_for_rank(jobs: Jobs, name: str, rank: int) -> str:
     """The pod whose workers hold global rank ``rank`` now. A pod's index is not its rank: a
     regroup hands places out in the order nodes join."""
@@ -329,3 +310,140 @@ def pod_at_index(jobs: Jobs, name: str, index: int) -> str:
         raise UserError(f"--pod: got {index}, and there is no pod {wanted!r}",
                         f"allowed: an index from 0 to {len(pods) - 1}" if pods else "the job has no pods yet")
     return wanted
+
+
+class EksBackend(Backend):
+    name = "eks"
+    options = {
+        "submit": frozenset({"--nccl-check", "--replace", "--dry-run", "--dry-run=server", "--wait", "--follow"}),
+        "status": frozenset({"--watch", "-o"}),
+        "logs": frozenset({"--rank", "--pod", "--all", "--follow", "--previous", "--since"}),
+        "cancel": frozenset({"--all", "--yes"}),
+        "list": frozenset({"-o"}),
+    }
+
+    render = staticmethod(render_text)
+
+    def __init__(self, connection: Connection):
+        super().__init__(connection)
+        self._jobs: Jobs | None = None
+
+    @property
+    def namespace(self) -> str:
+        return self.config.jobs.namespace
+
+    @classmethod
+    def where(cls, connection: Connection, command: str) -> str:
+        config = connection.config
+        cluster = (f"kubeconfig context {connection.context}" if connection.context
+                   else f"cluster {config.name_prefix} in {config.region}")
+        if command == "nodes":
+            return cluster
+        return f"{'for ' if command == 'render' else ''}{cluster}, namespace {config.jobs.namespace}"
+
+    @property
+    def client(self) -> Jobs:
+        """The API server is reached on first use: a client-side dry run never does."""
+        if self._jobs is None:
+            from trainctl.kube import api_client
+
+            config = self.config
+            self._jobs = Jobs(api_client(self.connection.aws_session(), config.name_prefix, config.region,
+                                         self.connection.context), self.namespace)
+        return self._jobs
+
+    def submit(self, spec: JobSpec, options: SubmitOptions) -> Submitted:
+        text = render_text(self.config, spec, options.nccl_check)
+        objects = manifests_of(text)
+        if options.dry_run:
+            # --dry-run=server: each object also created with dryRun=All (schema, admission webhooks, quota and the
+            # caller's create permission, nothing stored), after the same checks as a real submit.
+            for obj in objects if options.dry_run == "server" else ():
+                self.client.submit(obj, options.replace, dry_run=True)
+                say(f"{obj['metadata']['name']}: the API server would accept it (server dry run, nothing created)")
+            print(text, end="")
+            return Submitted(None)
+        for obj in objects:
+            name = self.client.submit(obj, options.replace, on_wait=lambda n: say(f"waiting until the old {n} is gone"))
+            print(f"submitted {name} to {self.namespace}")
+        return Submitted(objects[-1]["metadata"]["name"])
+
+    def status(self, name: str) -> JobStatus:
+        return status(self.client, name)
+
+    def jobs(self) -> list[dict]:
+        return [{"name": job["metadata"]["name"], "state": (job.get("status") or {}).get("state", {}).get(
+            "phase", "Pending")} for job in self.client.list()]
+
+    def nothing_listed(self) -> str:
+        return f"no jobs in {self.namespace}"
+
+    def logs(self, name: str, options: LogOptions) -> None:
+        jobs = self.client
+        if jobs.get(name) is None:
+            raise UserError(f"no job {name!r} in {self.namespace}", "see `trainctl list`")
+        read = {"previous": options.previous, "since_s": options.since_s}
+        if options.all:
+            pods = sorted(p.metadata.name for p in jobs.pods(name))
+            if not pods:
+                raise UserError(f"job {name!r} has no pods", f"see `trainctl status {name}`")
+        elif options.pod is not None:
+            pods = [pod_at_index(jobs, name, options.pod)]
+        else:
+            pods = [pod_for_rank(jobs, name, options.rank or 0)]
+        for pod in pods:
+            if options.follow:
+                for chunk in jobs.log(pod, follow=True, **read).stream():
+                    sys.stdout.write(chunk.decode(errors="replace"))
+            elif options.all:
+                for line in jobs.log(pod, **read).splitlines():
+                    print(f"[{pod}] {line}")
+            else:
+                print(jobs.log(pod, **read), end="")
+
+    def follow(self, name: str, interval_s: float) -> int:
+        """Rank 0's log from when its pod runs until the job ends (again after each restart or regroup:
+        rank 0 may then be on another pod)."""
+        jobs = self.client
+        while True:
+            report = status(jobs, name)
+            if report.finished:
+                say(report.summary())
+                return 0 if report.succeeded else 1
+            try:
+                pod = pod_for_rank(jobs, name, 0)
+            except UserError:  # no group formed yet
+                pod = None
+            if any(row[0] == pod and row[2] == "Running" for row in report.pods):
+                for chunk in jobs.log(pod, follow=True).stream():
+                    sys.stdout.write(chunk.decode(errors="replace"))
+                continue
+            say(report.summary())
+            time.sleep(interval_s)
+
+    def cancel(self, name: str) -> str:
+        self.client.cancel(name)
+        return f"cancelled {name}; checkpoints stay on the file system and in S3"
+
+    def cancel_all(self, yes: bool) -> int:
+        names = [job["metadata"]["name"] for job in self.client.list()]
+        if not names:
+            print(f"no jobs in {self.namespace}")
+            return 0
+        if not yes:
+            if not sys.stdin.isatty():
+                raise UserError(f"cancel --all would delete {len(names)} jobs in {self.namespace} and nobody can "
+                                "confirm", "run it in a terminal, or add --yes")
+            answer = input(f"delete {len(names)} jobs in {self.namespace} ({', '.join(names)})? "
+                           f"type the namespace to confirm: ")
+            if answer.strip() != self.namespace:
+                print("nothing deleted")
+                return 1
+        for name in names:  # one DELETE per named job, never one on the collection
+            self.client.cancel(name)
+            print(f"cancelled {name}")
+        print("checkpoints stay on the file system and in S3")
+        return 0
+
+
+BACKEND = EksBackend

@@ -32,11 +32,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from config import PlatformConfig
 from k8s_charts.job_spec import JobSpec
+from trainctl.backends import Backend, Connection, LogOptions, SubmitOptions, Submitted, newest_claim, rank_claim
 from trainctl.errors import UserError, check_name
 from training.contract import (
     EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, FINAL_EXITS, FSX_MOUNT,
@@ -68,10 +69,6 @@ EXIT_MEANINGS = {
 
 def default_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainctl-local"
-
-
-def root_of(args) -> Path:
-    return Path(args.workdir).expanduser().resolve() if getattr(args, "workdir", None) else default_root()
 
 
 # --- the plan: what runs --------------------------------------------------------------------------
@@ -535,27 +532,58 @@ class LocalRun:
 
 # --- the commands ---------------------------------------------------------------------------------
 
-def submit(args, config: PlatformConfig) -> int:
-    from k8s_charts.job_spec import load_job_spec
+@dataclass
+class LocalStatus:
+    name: str
+    phase: str
+    nodes: list[dict]
+    etcd: dict
+    rendezvous: dict | None
+    last_step: dict | None
+    checkpoint: dict | None
+    job_dir: str
 
-    spec = load_job_spec(args.job, config)
-    if args.nccl_check:
-        raise UserError("--backend local: got --nccl-check", "allowed with local: --nodes, --nproc-per-node, --workdir, "
-                        "--replace (there is no EFA or NCCL on CPU)")
-    root = root_of(args)
-    local = plan(spec, config, root, args.nodes, args.nproc_per_node or 1)
-    etcd = etcd_binary()
-    check_torch()
-    state = None
-    with contextlib.suppress(UserError):
-        state = read_state(root, spec.name)
-    if state is not None and state["phase"] == "Running" and alive(state.get("pid")):
-        if not args.replace:
-            raise UserError(f"job {spec.name!r} is running locally (trainctl pid {state['pid']})",
-                            "choose another name, pass --replace to stop it first, or "
-                            f"`trainctl cancel {spec.name} --backend local`")
-        _cancel(state)
-    return LocalRun(local, etcd).run()
+    @property
+    def finished(self) -> bool:
+        return self.phase != "Running"
+
+    @property
+    def succeeded(self) -> bool:
+        return self.phase == "Completed"
+
+    def summary(self) -> str:
+        return f"{self.name}: {self.phase}"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "finished": self.finished}
+
+    def format(self) -> str:
+        lines = [f"job {self.name} (local): {self.phase}", "nodes:"]
+        lines += [f"  {node['name']:<8} pid {node['pid']:<8} {node['ended'] or 'running'}" for node in self.nodes]
+        lines.append(f"etcd: {self.etcd.get('endpoint')} (pid {self.etcd.get('pid')})")
+        if (r := self.rendezvous) is not None:
+            lines.append(f"rendezvous: world size {r['world_size']}, restart {r.get('restart_count', 0)}")
+        if (s := self.last_step) is not None:
+            lines.append(f"last step: {s['step']} (epoch {s.get('epoch', 0)}), loss {s['loss']}, "
+                         f"{s.get('samples_per_s')} samples/s")
+        if self.checkpoint:
+            lines.append(f"newest checkpoint: {self.checkpoint['path']} (step {self.checkpoint['step']})")
+        lines.append(f"logs: {self.job_dir}/node-<i>.log")
+        return "\n".join(lines)
+
+
+def read_status(root: Path, name: str) -> LocalStatus:
+    state = read_state(root, name)
+    events, _ = read_events(Path(state["events"]))
+    events = [e for e in events if e.get("time", 0) >= state["started"] - 1]
+
+    def last(kind):
+        return next((e for e in reversed(events) if e.get("event") == kind), None)
+
+    steps = sorted(p for p in Path(state["checkpoints"]).glob("*") if checkpoint_step(p.name) is not None)
+    checkpoint = {"path": str(steps[-1]), "step": checkpoint_step(steps[-1].name)} if steps else None
+    return LocalStatus(name, phase(state), state.get("nodes", []), state.get("etcd") or {}, last("rendezvous"),
+                       last("step"), checkpoint, state["job_dir"])
 
 
 def _cancel(state: dict) -> None:
@@ -571,109 +599,98 @@ def _cancel(state: dict) -> None:
                         f"kill -9 {pid} (its agents and etcd end with it)")
 
 
-def status_text(root: Path, name: str) -> tuple[str, bool]:
-    state = read_state(root, name)
-    now_phase = phase(state)
-    lines = [f"job {name} (local): {now_phase}", "nodes:"]
-    for node in state.get("nodes", []):
-        lines.append(f"  {node['name']:<8} pid {node['pid']:<8} {node['ended'] or 'running'}")
-    etcd = state.get("etcd") or {}
-    lines.append(f"etcd: {etcd.get('endpoint')} (pid {etcd.get('pid')})")
-    events, _ = read_events(Path(state["events"]))
-    events = [e for e in events if e.get("time", 0) >= state["started"] - 1]
-
-    def last(kind):
-        return next((e for e in reversed(events) if e.get("event") == kind), None)
-
-    if (r := last("rendezvous")) is not None:
-        lines.append(f"rendezvous: world size {r['world_size']}, restart {r.get('restart_count', 0)}")
-    if (s := last("step")) is not None:
-        lines.append(f"last step: {s['step']} (epoch {s.get('epoch', 0)}), loss {s['loss']}, "
-                     f"{s.get('samples_per_s')} samples/s")
-    steps = sorted(p for p in Path(state["checkpoints"]).glob("*") if checkpoint_step(p.name) is not None)
-    if steps:
-        lines.append(f"newest checkpoint: {steps[-1]} (step {checkpoint_step(steps[-1].name)})")
-    lines.append(f"logs: {state['job_dir']}/node-<i>.log")
-    return "\n".join(lines), now_phase != "Running"
-
-
-def logs(args, root: Path) -> int:
-    if args.previous or args.since:
-        raise UserError(f"--backend local: got {'--previous' if args.previous else '--since'}",
-                        "allowed with local: --rank, --all, --follow (each node's log holds all its runs)")
-    state = read_state(root, args.name)
-    nodes = state.get("nodes", [])
-    if args.all:
-        if args.follow:
-            raise UserError("logs: got --all with --follow", "allowed: --follow with one --rank or --pod")
-        for node in nodes:
-            with contextlib.suppress(OSError):
-                for line in Path(node["log"]).read_text(errors="replace").splitlines():
-                    print(f"[{node['name']}] {line}")
-        return 0
-    path = Path(nodes[_node_of(args, nodes)]["log"])
-    offset = 0
-    while True:
-        with contextlib.suppress(OSError), open(path, "rb") as f:
-            f.seek(offset)
-            chunk = f.read()
-            offset += len(chunk)
-            sys.stdout.write(chunk.decode(errors="replace"))
-            sys.stdout.flush()
-        if not args.follow or phase(read_state(root, args.name)) != "Running":
-            return 0
-        time.sleep(POLL_S)
-
-
-def _node_of(args, nodes: list[dict]) -> int:
+def _node_of(name: str, options: LogOptions, nodes: list[dict]) -> int:
     """--pod INDEX: node INDEX (the pod's analog); --rank N (default 0): the node whose agent says,
     in its newest ``node_ranks`` line, that its workers hold global rank N, as on EKS."""
-    if args.pod is not None:
-        if not 0 <= args.pod < len(nodes):
-            raise UserError(f"--pod: got {args.pod}", f"allowed: a node from 0 to {len(nodes) - 1}")
-        return args.pod
-    from trainctl.jobs import newest_claim, rank_claim
-
-    rank = args.rank or 0
+    if options.pod is not None:
+        if not 0 <= options.pod < len(nodes):
+            raise UserError(f"--pod: got {options.pod}", f"allowed: a node from 0 to {len(nodes) - 1}")
+        return options.pod
+    rank = options.rank or 0
     claims = {}
     for index, node in enumerate(nodes):
         with contextlib.suppress(OSError):
             claims[index] = rank_claim(Path(node["log"]).read_text(errors="replace"), rank)
-    return newest_claim(claims, rank, args.name, "node", f"in `trainctl status {args.name} --backend local`")
+    return newest_claim(claims, rank, name, "node", f"in `trainctl status {name} --backend local`")
 
 
-def run(args, config: PlatformConfig) -> int:
-    """submit, status, logs, cancel and list with --backend local."""
-    root = root_of(args)
-    if getattr(args, "output", "text") != "text" or getattr(args, "dry_run", None):
-        option = f"-o {args.output}" if getattr(args, "output", "text") != "text" else "--dry-run"
-        raise UserError(f"--backend local: got {option}", "allowed with local: text output (the job's state.json and "
-                        "metrics.jsonl under the work directory are JSON already); `trainctl render` for a dry run")
-    if args.command == "submit":
-        return submit(args, config)
-    if args.command == "status":
-        while True:
-            text, finished = status_text(root, args.name)
-            print(text, flush=True)
-            if not args.watch or finished:
-                return 0
-            time.sleep(min(args.interval, 2))
-            print()
-    if args.command == "logs":
-        return logs(args, root)
-    if args.command == "cancel":
-        if args.all or args.name is None:
-            raise UserError("cancel --backend local: got --all or no name", "allowed: `trainctl cancel NAME --backend local`")
-        state = read_state(root, args.name)
-        if phase(state) != "Running":
-            raise UserError(f"local job {args.name!r} is not running ({phase(state)})", "nothing to cancel")
-        _cancel(state)
-        print(f"cancelled {args.name}; checkpoints stay in {state['checkpoints']}")
-        return 0
-    jobs = sorted((root / "jobs").glob("*/state.json"))
-    if not jobs:
-        print(f"no local jobs in {root}")
-    for path in jobs:
+class LocalBackend(Backend):
+    name = "local"
+    options = {
+        "submit": frozenset({"--replace", "--wait", "--nodes", "--nproc-per-node", "--workdir"}),
+        "status": frozenset({"--watch", "-o", "--workdir"}),
+        "logs": frozenset({"--rank", "--pod", "--all", "--follow", "--workdir"}),
+        "cancel": frozenset({"--workdir"}),
+        "list": frozenset({"-o", "--workdir"}),
+    }
+    hints = {"logs": "each node's log holds all its runs", "submit": "there is no EFA or NCCL on CPU; "
+             "`trainctl render JOB` for a dry run; the job runs in the foreground"}
+
+    @property
+    def root(self) -> Path:
+        workdir = self.connection.workdir
+        return Path(workdir).expanduser().resolve() if workdir else default_root()
+
+    @classmethod
+    def where(cls, connection: Connection, command: str) -> str:
+        return "this machine (--backend local, CPU)"
+
+    def submit(self, spec: JobSpec, options: SubmitOptions) -> Submitted:
+        root = self.root
+        local = plan(spec, self.config, root, options.nodes, options.nproc_per_node or 1)
+        etcd = etcd_binary()
+        check_torch()
+        state = None
         with contextlib.suppress(UserError):
-            print(f"{path.parent.name:<40} {phase(read_state(root, path.parent.name))}")
-    return 0
+            state = read_state(root, spec.name)
+        if state is not None and state["phase"] == "Running" and alive(state.get("pid")):
+            if not options.replace:
+                raise UserError(f"job {spec.name!r} is running locally (trainctl pid {state['pid']})",
+                                "choose another name, pass --replace to stop it first, or "
+                                f"`trainctl cancel {spec.name} --backend local`")
+            _cancel(state)
+        return Submitted(spec.name, exit_code=LocalRun(local, etcd).run())
+
+    def status(self, name: str) -> LocalStatus:
+        return read_status(self.root, name)
+
+    def jobs(self) -> list[dict]:
+        rows = []
+        for path in sorted((self.root / "jobs").glob("*/state.json")):
+            with contextlib.suppress(UserError):
+                rows.append({"name": path.parent.name, "state": phase(read_state(self.root, path.parent.name))})
+        return rows
+
+    def nothing_listed(self) -> str:
+        return f"no local jobs in {self.root}"
+
+    def logs(self, name: str, options: LogOptions) -> None:
+        nodes = read_state(self.root, name).get("nodes", [])
+        if options.all:
+            for node in nodes:
+                with contextlib.suppress(OSError):
+                    for line in Path(node["log"]).read_text(errors="replace").splitlines():
+                        print(f"[{node['name']}] {line}")
+            return
+        path = Path(nodes[_node_of(name, options, nodes)]["log"])
+        offset = 0
+        while True:
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+                offset += len(chunk)
+                sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
+            if not options.follow or phase(read_state(self.root, name)) != "Running":
+                return
+            time.sleep(POLL_S)
+
+    def cancel(self, name: str) -> str:
+        state = read_state(self.root, name)
+        if phase(state) != "Running":
+            raise UserError(f"local job {name!r} is not running ({phase(state)})", "nothing to cancel")
+        _cancel(state)
+        return f"cancelled {name}; checkpoints stay in {state['checkpoints']}"
+
+
+BACKEND = LocalBackend

@@ -1,5 +1,5 @@
 """The same job spec on Slurm (AWS ParallelCluster, the slurm stack): an sbatch script rendered from it,
-and submit, status, logs, cancel and list through a shell on the head node (trainctl/slurm_transport.py).
+and submit, status, logs, cancel and list through a shell on the head node (trainctl/backends/slurm_transport.py).
 
 The script asks for min..max whole nodes of the node group's queue and runs one task per node: the
 platform's launcher with torchrun's static rendezvous at the allocation's first node
@@ -24,8 +24,10 @@ from config import PlatformConfig
 from k8s_charts.job_charts import cache_environment, nccl_environment, spot_environment
 from k8s_charts.job_spec import JobSpec
 from trainctl.errors import UserError
-from trainctl.jobs import metrics_events, newest_claim, rank_claim
-from trainctl.slurm_transport import STDOUT_LIMIT, OutputTruncated
+from trainctl.backends import (
+    Backend, Connection, LogOptions, SubmitOptions, Submitted, metrics_events, newest_claim, rank_claim, say,
+)
+from trainctl.backends.slurm_transport import STDOUT_LIMIT, OutputTruncated
 from training.contract import (
     EXIT_CONFIG, EXIT_RESTART_JOB, FSX_MOUNT, LAUNCH_ENVIRONMENT, LAUNCHER_ENTRY, LAUNCHER_MOUNT, NODE_RANKS_EVENT,
     PLATFORM_APP_DIR, RESTART_MARKER_ENV, SLURM_KILL_WAIT_S, cache_dir, launcher_copy_command, slurm_launch_command,
@@ -235,6 +237,13 @@ class SlurmStatus:
     def finished(self) -> bool:
         return self.state not in ACTIVE_STATES
 
+    @property
+    def succeeded(self) -> bool:
+        return self.state == "COMPLETED"
+
+    def summary(self) -> str:
+        return f"{self.name}: {self.state}" + (f" (requeued {self.restarts})" if self.restarts else "")
+
     def as_dict(self) -> dict:
         return {"name": self.name, "job_id": self.job_id, "state": self.state, "reason": self.reason,
                 "finished": self.finished, "nodes": self.nodes, "nodelist": self.nodelist, "restarts": self.restarts,
@@ -258,7 +267,7 @@ class SlurmStatus:
 
 
 class SlurmJobs:
-    """Jobs of this platform on a Slurm cluster, through ``shell`` (a trainctl.slurm_transport.SlurmShell)."""
+    """Jobs of this platform on a Slurm cluster, through ``shell`` (a trainctl.backends.slurm_transport.SlurmShell)."""
 
     def __init__(self, shell, config: PlatformConfig):
         self.shell = shell
@@ -312,7 +321,7 @@ class SlurmJobs:
 
     def _last_events(self, path: str, kinds: tuple[str, ...], count: int = 1) -> list[dict]:
         """The newest ``count`` JSON lines of each kind in a log file, filtered on the head node: through
-        SSM a command returns at most 24,000 characters (trainctl/slurm_transport.py), a few hundred
+        SSM a command returns at most 24,000 characters (trainctl/backends/slurm_transport.py), a few hundred
         lines of a node's log. Only the file's last SCAN_LINES lines are read."""
         script = 'for kind in "${@:2}"; do tail -n %d "$1" | grep -F "{\\"event\\": \\"$kind\\"" | tail -n %d; done' % (
             SCAN_LINES, count)
@@ -374,3 +383,78 @@ class SlurmJobs:
                             "nothing to cancel; see `trainctl list --backend slurm`")
         self._run("scancel", *ids)
         return ids
+
+
+class SlurmBackend(Backend):
+    name = "slurm"
+    options = {
+        "submit": frozenset({"--dry-run", "--wait", "--python", "--on-head-node"}),
+        "status": frozenset({"--watch", "-o", "--on-head-node"}),
+        "logs": frozenset({"--rank", "--pod", "--on-head-node"}),
+        "cancel": frozenset({"--on-head-node"}),
+        "list": frozenset({"-o", "--on-head-node"}),
+    }
+    hints = {"logs": "each node's log file on /fsx, every incarnation appended",
+             "submit": "--dry-run prints the sbatch script"}
+
+    def __init__(self, connection: Connection):
+        super().__init__(connection)
+        if self.config.slurm is None:
+            raise UserError("--backend slurm: this platform has no slurm section",
+                            "add `slurm: {queues: [{node_group: ...}]}` to the config and deploy "
+                            "(see config/slurm-example.yaml)")
+        self._jobs: SlurmJobs | None = None
+
+    @classmethod
+    def where(cls, connection: Connection, command: str) -> str:
+        config = connection.config
+        how = "this machine as its head node" if connection.on_head_node else "its head node through SSM"
+        return f"Slurm cluster {config.slurm_cluster_name if config.slurm else '(none)'} in {config.region}, {how}"
+
+    @property
+    def client(self) -> SlurmJobs:
+        """The head node is reached on first use: a dry run never does."""
+        if self._jobs is None:
+            from trainctl.backends.slurm_transport import LocalShell, SsmShell
+
+            shell = LocalShell() if self.connection.on_head_node else SsmShell(
+                self.connection.aws_session(), region=self.config.region, cluster_name=self.config.slurm_cluster_name)
+            self._jobs = SlurmJobs(shell, self.config)
+        return self._jobs
+
+    def submit(self, spec: JobSpec, options: SubmitOptions) -> Submitted:
+        script = render_for(self.config, spec, SlurmRuntime(python=options.python))
+        if options.dry_run:
+            print(script, end="")
+            return Submitted(None)
+        job_id = self.client.submit(spec, script)
+        print(f"submitted {spec.name} to Slurm (job {job_id}), {spec.min_nodes}..{spec.max_nodes} nodes "
+              f"of queue {spec.node_group}")
+        return Submitted(spec.name)
+
+    def status(self, name: str) -> SlurmStatus:
+        return self.client.status(name)
+
+    def jobs(self) -> list[dict]:
+        return [{"name": row["name"], "job_id": row["job_id"], "state": row["state"], "nodes": row["nodes"]}
+                for row in self.client.jobs()]
+
+    def list_line(self, row: dict) -> str:
+        return f"{row['name']:<40} {row['state']:<12} job {row['job_id']}, {row['nodes']} node(s)"
+
+    def nothing_listed(self) -> str:
+        return f"no jobs of platform {self.config.name_prefix} on {self.client.shell.where}"
+
+    def logs(self, name: str, options: LogOptions) -> None:
+        text = self.client.logs(name, rank=options.rank, pod=options.pod)
+        if self.client.note:
+            say(self.client.note)
+        print(text, end="")
+
+    def cancel(self, name: str) -> str:
+        ids = self.client.cancel(name)
+        return (f"cancelled {name} (Slurm job {', '.join(ids)}): its nodes checkpoint within KillWait; "
+                "checkpoints stay on /fsx")
+
+
+BACKEND = SlurmBackend
