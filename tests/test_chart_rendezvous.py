@@ -21,7 +21,7 @@ from tests.conftest import REPO
 from tests.test_charts import RENDERED, container, the_job
 from tests.local_pki import platform_pki
 from training.contract import CLIENT_TLS_DIR, TLS_ENVIRONMENT
-from training.devtools.local_cluster import LocalEtcd, free_ports
+from trainctl.backends.local_cluster import LocalEtcd, free_ports
 
 pytestmark = pytest.mark.timeout(240)
 MEMBER_HOST = "etcd-{}.etcd-peers.training-platform.svc.cluster.local"

@@ -17,7 +17,7 @@ import pytest
 
 from training.contract import REGROUP_IN_PLACE_ENV
 from training.loop.checkpoint import SLOW_WRITE_ENV
-from training.devtools.local_cluster import Agent, read_events, wait_until
+from trainctl.backends.local_cluster import Agent, read_events, wait_until
 
 pytestmark = pytest.mark.timeout(400)
 RESTART_FROM_CHECKPOINT = {REGROUP_IN_PLACE_ENV: "0"}

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from training.devtools.drills import events, scale_drill, trainer_args
+from tests.drills import events, scale_drill, trainer_args
 from training.contract import PLATFORM_TUNING
-from training.devtools.local_cluster import Agent, LocalEtcd, wait_until
+from trainctl.backends.local_cluster import Agent, LocalEtcd, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.devtools.local_cluster import Agent, read_events, wait_until
+from trainctl.backends.local_cluster import Agent, read_events, wait_until
 from training.contract import EXIT_MEMBERSHIP_CHANGE
 
 pytestmark = pytest.mark.timeout(300)

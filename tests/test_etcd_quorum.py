@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.devtools.drills import events, every_sample_once, quorum_drill
+from tests.drills import events, every_sample_once, quorum_drill
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -17,7 +17,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from tests.local_pki import BOTH, LOOPBACK, issue, platform_pki
 from training.contract import ETCD_TIMING
 from training.launcher.etcd_v3 import EtcdClient, EtcdRequestError
-from training.devtools.local_cluster import LocalEtcd, free_port
+from trainctl.backends.local_cluster import LocalEtcd, free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,7 +18,7 @@ from tests.test_evaluation import tiny_config
 from training.config import load_train_config
 from training.data.datasets import build_dataset
 from training.device import detect
-from training.devtools.local_cluster import free_port
+from trainctl.backends.local_cluster import free_port
 from training.loop import evaluate
 from training.loop.evaluate import Evaluator
 from training.loop.metrics import MetricsWriter

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from training.config import load_train_config
-from training.devtools.local_cluster import free_port
+from trainctl.backends.local_cluster import free_port
 from training.loop.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(180)

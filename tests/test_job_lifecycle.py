@@ -1,6 +1,6 @@
 """A job lives through what a cluster does to it, with real agents and a real etcd on loopback.
 
-The drills (training/devtools/drills.py) run ``python -m training.launcher`` exactly as a pod does. Each
+The drills (tests/drills.py) run ``python -m training.launcher`` exactly as a pod does. Each
 test asserts that the job finishes, that every sample is trained exactly once in the counted
 steps, and what each disruption cost in steps and seconds. A node killed, a node joining and a
 node SIGTERMed are in test_elastic_training.py.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.devtools.drills import INTERVAL, etcd_drill, events, every_sample_once, incarnation_drill
+from tests.drills import INTERVAL, etcd_drill, events, every_sample_once, incarnation_drill
 from training.contract import EXIT_RESTART_JOB
 
 pytestmark = pytest.mark.timeout(600)

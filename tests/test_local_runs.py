@@ -22,8 +22,8 @@ import yaml
 
 from tests.trainctl_fixtures import one_error
 from tests.conftest import REPO
-from training.devtools.drills import GLOBAL_BATCH, every_sample_once
-from training.devtools.local_cluster import wait_until
+from tests.drills import GLOBAL_BATCH, every_sample_once
+from trainctl.backends.local_cluster import wait_until
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.devtools.drills import EVAL_EVERY, MOMENTS, events, lost_node_drill, trainer_args
-from training.devtools.local_cluster import Agent, wait_until
+from tests.drills import EVAL_EVERY, MOMENTS, events, lost_node_drill, trainer_args
+from trainctl.backends.local_cluster import Agent, wait_until
 from training.loop.lost_peer import GroupBroken
 from training.loop.trainer import RAISE_AT_STEP_ENV
 

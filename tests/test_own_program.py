@@ -27,7 +27,7 @@ import pytest
 
 from tests.conftest import REPO
 from training.contract import LAUNCHER_ENTRY, LAUNCHER_MOUNT, launch_command, launcher_copy_command
-from training.devtools.local_cluster import LOCAL_TUNING, Agent, read_events, wait_until
+from trainctl.backends.local_cluster import LOCAL_TUNING, Agent, read_events, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -209,12 +209,17 @@ def test_the_trainer_is_in_rooms_that_import_each_other_one_way():
     assert cycles(rooms) == []
 
 
-def test_nothing_in_the_image_imports_the_developer_tools():
+def test_the_image_holds_nothing_only_tests_use():
+    """The local harness (trainctl/backends/local_cluster.py) and the drills (tests/drills.py) are outside
+    training/, which the images copy whole (training/docker/Dockerfile.*: COPY training/ training/)."""
     graph = import_graph()
+    assert not (REPO / "training" / "devtools").exists()
     users = sorted(source for source, targets in graph.items()
-                   if source.startswith("training") and not source.startswith("training.devtools")
-                   and any(t.startswith("training.devtools") for t in targets))
+                   if source.startswith("training") and any(t.startswith(("trainctl", "tests")) for t in targets))
     assert users == []
+    for dockerfile in (REPO / "training" / "docker").glob("Dockerfile*"):
+        copied = [line.split()[1] for line in dockerfile.read_text().splitlines() if line.startswith("COPY ")]
+        assert not [path for path in copied if path.startswith(("tests", "trainctl", "benchmarks"))], dockerfile
 
 
 def test_constructs_take_resources_and_facts_not_config_models():

@@ -17,7 +17,7 @@ from training.data.datasets import PAD_ID, attention_mask
 from training.data.decode import collate
 from training.data.feed import move
 from training.data.sampler import SampleKey, sample_seed
-from training.devtools.local_cluster import free_port
+from trainctl.backends.local_cluster import free_port
 from training.loop.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(300)

@@ -17,10 +17,10 @@ import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.utils.store import barrier
 
-from training.devtools.drills import etcd_metrics
+from tests.drills import etcd_metrics
 from training.launcher.etcd_v3 import EtcdClient, EtcdUnavailable, op_put, unchanged_since
 from training.contract import PLATFORM_TUNING
-from training.devtools.local_cluster import LocalEtcd, free_port
+from trainctl.backends.local_cluster import LocalEtcd, free_port
 from training.launcher.rendezvous import LEASE_DOUBT_TTLS, EtcdRendezvousHandler, EtcdStore, Outage
 
 pytestmark = pytest.mark.timeout(120)

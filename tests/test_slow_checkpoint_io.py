@@ -18,7 +18,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from training.config import load_train_config
-from training.devtools.local_cluster import free_port
+from trainctl.backends.local_cluster import free_port
 from training.loop.checkpoint import SLOW_WRITE_ENV
 
 pytestmark = pytest.mark.timeout(300)

@@ -24,8 +24,8 @@ from tests.conftest import REPO
 from tests.slurm_cluster import SlurmCluster, missing
 from tests.trainctl_fixtures import one_error
 from trainctl.backends.slurm import log_folder
-from training.devtools.drills import GLOBAL_BATCH, INTERVAL, every_sample_once, final_checkpoint
-from training.devtools.local_cluster import wait_until
+from tests.drills import GLOBAL_BATCH, INTERVAL, every_sample_once, final_checkpoint
+from trainctl.backends.local_cluster import wait_until
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(missing() is not None, reason=f"no real Slurm here: {missing()}")]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from tests.conftest import REPO
 from training.contract import EXIT_STOPPED
-from training.devtools.drills import trainer_args
-from training.devtools.local_cluster import Agent, LocalEtcd, read_events, wait_until
+from tests.drills import trainer_args
+from trainctl.backends.local_cluster import Agent, LocalEtcd, read_events, wait_until
 from training.loop.checkpoint import SLOW_WRITE_ENV
 
 CTRL_C = "Ctrl-C: saving a checkpoint at the end of this step, then stopping"

