@@ -10,7 +10,7 @@ the wall clock between two synchronized points (device synchronized, then a barr
 ``--steps`` steps, for each agreement in turn, ``--repeats`` times, alternating. The old one
 builds its flags with ``torch.tensor(..., device=)`` and reads them with ``.tolist()``: on CUDA
 each waits for the device, so the device idles while the host launches the next step; the new
-one (training/loop/elastic.py) copies through pinned buffers and an event. On CPU the two do
+one (training/loop/agreement.py) copies through pinned buffers and an event. On CPU the two do
 the same work and the ratio is about 1.
 """
 
@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.loop.elastic import LaggedAgreement
+from training.loop.agreement import LaggedAgreement
 
 
 class BlockingAgreement:

@@ -309,7 +309,7 @@ def agent_warnings(agents: list[Agent]) -> list[str]:
     for agent in agents:
         for line in agent.output().splitlines():
             if (" WARNING training.launcher" in line or " ERROR training.launcher" in line
-                    or " WARNING training.loop.elastic" in line or " WARNING training.loop.trainer: a collective" in line):
+                    or " WARNING training.loop.regroup" in line or " WARNING training.loop.trainer: a collective" in line):
                 lines.append(f"{agent.name}: {line}")
     return lines
 

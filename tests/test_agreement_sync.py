@@ -6,7 +6,7 @@ between host and device without ``non_blocking`` ends in ``memcpy_and_sync``;
 torch/csrc/utils/tensor_new.cpp builds ``torch.tensor`` on the host and copies it with
 ``non_blocking=false``). Here, without a GPU, a CPU stands in for the device: :class:`FakeDevice`
 knows which tensors "live on the device" and records every call that would make the host wait
-there; the agreement runs its real CUDA transport (:class:`elastic.DeviceFlags`) through it,
+there; the agreement runs its real CUDA transport (:class:`agreement.DeviceFlags`) through it,
 with a real (one-rank gloo) all-reduce. Where CUDA exists, the same steps run on the GPU under
 ``torch.cuda.set_sync_debug_mode("error")``.
 """
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from training.loop import elastic
-from training.loop.elastic import LaggedAgreement
+from training.loop import agreement
+from training.loop.agreement import LaggedAgreement
 
 STEPS = 6
 # Reads that copy a device tensor to the host and wait for it (tensor_list.cpp / Copy.cu).
@@ -89,13 +89,13 @@ class FakeDevice(TorchFunctionMode):
         return result
 
 
-class FakeDeviceFlags(elastic.DeviceFlags):
+class FakeDeviceFlags(agreement.DeviceFlags):
     """The real CUDA transport, its buffers marked for :class:`FakeDevice`, pinned ones included."""
 
     def __init__(self, clock: Clock, device: FakeDevice) -> None:
         super().__init__(torch.device("cpu"), pin=False, event=lambda: FakeEvent(clock, device))
 
-    def buffers(self, count: int) -> elastic.FlagBuffers:
+    def buffers(self, count: int) -> agreement.FlagBuffers:
         buffers = super().buffers(count)
         buffers.send._fake_pinned = buffers.receive._fake_pinned = True
         buffers.reduce._fake_on_device = True
@@ -123,17 +123,17 @@ EXPECTED = [None, (False,) * 5, (True, False, False, False, False), (False,) * 5
 
 def test_the_steady_state_agreement_makes_no_blocking_call(one_rank_group):
     clock, device = Clock(), FakeDevice()
-    agreement = LaggedAgreement(torch.device("cpu"), transport=FakeDeviceFlags(clock, device))
+    lagged = LaggedAgreement(torch.device("cpu"), transport=FakeDeviceFlags(clock, device))
     seen = []
     for step in range(STEPS):
         clock.step = step
         loss = torch.tensor(float("nan") if step == 4 else 1.0)  # the step's loss, on the device
         loss._fake_on_device = True
         with device:
-            seen.append(agreement.exchange(*_flags(step, ~torch.isfinite(loss))))
+            seen.append(lagged.exchange(*_flags(step, ~torch.isfinite(loss))))
     assert device.blocking == []
     assert seen == EXPECTED  # each step's flags, a step later, the loss's finiteness included
-    agreement.settle()
+    lagged.settle()
 
 
 def test_the_recorder_flags_what_the_agreement_did_before():
@@ -152,8 +152,8 @@ def test_on_cuda_the_steady_state_agreement_does_not_synchronize():
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
     try:
-        agreement = LaggedAgreement(device)
-        assert isinstance(agreement.transport, elastic.DeviceFlags)
+        lagged = LaggedAgreement(device)
+        assert isinstance(lagged.transport, agreement.DeviceFlags)
         weights = torch.randn(512, 512, device=device)
         seen = []
         for step in range(STEPS):
@@ -164,10 +164,10 @@ def test_on_cuda_the_steady_state_agreement_does_not_synchronize():
             if step:
                 torch.cuda.set_sync_debug_mode("error")
             try:
-                seen.append(agreement.exchange(*_flags(step, ~torch.isfinite(loss))))
+                seen.append(lagged.exchange(*_flags(step, ~torch.isfinite(loss))))
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        agreement.settle()
+        lagged.settle()
         assert seen == EXPECTED
     finally:
         dist.destroy_process_group()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from training.config import load_train_config
-from training.loop.elastic import LaggedAgreement
+from training.loop.agreement import LaggedAgreement
 from trainctl.backends.local_cluster import free_port
 
 pytestmark = pytest.mark.timeout(180)

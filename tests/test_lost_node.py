@@ -264,7 +264,7 @@ def test_a_broken_group_shuts_this_process_s_tcp_connections_and_leaves_its_list
     # In a process of its own: the suite's process holds connections of other tests.
     check = textwrap.dedent("""
         import socket
-        from training.loop.elastic import shut_tcp_connections
+        from training.loop.regroup import shut_tcp_connections
 
         listener = socket.create_server(("127.0.0.1", 0))
         client = socket.create_connection(listener.getsockname())

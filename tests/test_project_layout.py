@@ -266,3 +266,15 @@ def test_trainctl_backends_import_only_the_interface_and_main_only_dispatches():
     compared = {node.value for compare in ast.walk(tree) if isinstance(compare, ast.Compare)
                 for node in ast.walk(compare) if isinstance(node, ast.Constant)}
     assert not compared & set(BACKENDS), compared & set(BACKENDS)
+
+
+def test_the_regroup_handshake_names_its_files_through_the_contract_only():
+    """The agent and its workers meet in a control folder (training/launcher/agent.py and
+    training/loop/regroup.py, the two sides of a regroup): every file name there comes from
+    training.contract.control_file, never typed again on one side."""
+    import re
+
+    typed = re.compile(r"\{(?:PAUSED_FILE|MEMBERSHIP_FILE|BROKEN_MARKER|RECOVERS_MARKER|WRITING_MARKER)\}-")
+    found = [f"{path.relative_to(REPO)}:{number}" for path in sorted((REPO / "training").rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if typed.search(line)]
+    assert found == []

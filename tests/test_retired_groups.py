@@ -1,4 +1,4 @@
-"""A process group a worker leaves is kept a while before its last reference goes (training/loop/elastic.py,
+"""A process group a worker leaves is kept a while before its last reference goes (training/loop/regroup.py,
 RetiredGroups): gloo's destructor joins its threads while the main thread holds the GIL, and a thread still
 freeing the broken round's tensors needs it. The deadlock itself, and the fix, are shown by a stress of lost
 peers then admissions (docs/DESIGN.md, "Where the code met real components"); this holds the keeping to its rules."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from training.loop.elastic import RetiredGroups
+from training.loop.regroup import RetiredGroups
 
 
 class Group:

@@ -10,7 +10,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from training.loop import elastic
+from training.loop import regroup
+from training.loop import spot
 from training.contract import STOP_BUDGET_ENV
 from training.loop.trainer import Trainer
 from tests.test_trainer_metrics import small_run
@@ -63,7 +64,7 @@ class FakeImds:
 @pytest.fixture
 def imds(monkeypatch):
     fake = FakeImds()
-    monkeypatch.setenv(elastic.IMDS_ENDPOINT_ENV, fake.endpoint)
+    monkeypatch.setenv(spot.IMDS_ENDPOINT_ENV, fake.endpoint)
     yield fake
     fake.close()
 
@@ -73,7 +74,7 @@ def events(tmp_path) -> list[dict]:
 
 
 def test_the_notice_is_seen_through_imdsv2_only_once_ec2_schedules_the_interruption(imds):
-    notice = elastic.SpotNotice(enabled=True, interval_s=0.05)
+    notice = spot.SpotNotice(enabled=True, interval_s=0.05)
     time.sleep(0.3)
     assert not notice.pending  # 404: no interruption scheduled
     imds.interrupting.set()
@@ -88,7 +89,7 @@ def test_the_notice_is_seen_through_imdsv2_only_once_ec2_schedules_the_interrupt
 
 
 def test_a_spot_notice_checkpoints_at_the_next_step_and_training_goes_on(tmp_path, imds, monkeypatch):
-    monkeypatch.setenv(elastic.SPOT_NOTICE_ENV, "imds")
+    monkeypatch.setenv(spot.SPOT_NOTICE_ENV, "imds")
     imds.interrupting.set()  # the notice is already there when training starts
     Trainer(small_run(tmp_path, "--train.max_steps=8", "--checkpoint.interval_steps=100")).run()
     checkpoints = [e for e in events(tmp_path) if e["event"] == "checkpoint_started"]
@@ -99,7 +100,7 @@ def test_a_spot_notice_checkpoints_at_the_next_step_and_training_goes_on(tmp_pat
 
 def test_a_spot_notice_saves_before_it_evaluates(tmp_path, imds, monkeypatch):
     # The two minutes are for the checkpoint: a step due for validation saves first, then validates.
-    monkeypatch.setenv(elastic.SPOT_NOTICE_ENV, "imds")
+    monkeypatch.setenv(spot.SPOT_NOTICE_ENV, "imds")
     imds.interrupting.set()
     Trainer(small_run(tmp_path, "--train.max_steps=4", "--checkpoint.interval_steps=100", "--eval.every_steps=1",
                       "--eval.synthetic_samples=16")).run()
@@ -110,7 +111,7 @@ def test_a_spot_notice_saves_before_it_evaluates(tmp_path, imds, monkeypatch):
 
 
 def test_off_ec2_or_without_the_notice_nothing_happens(tmp_path, imds, monkeypatch):
-    monkeypatch.setenv(elastic.SPOT_NOTICE_ENV, "imds")
+    monkeypatch.setenv(spot.SPOT_NOTICE_ENV, "imds")
     Trainer(small_run(tmp_path, "--train.max_steps=8", "--checkpoint.interval_steps=100")).run()
     assert "spot-notice" not in {e.get("reason") for e in events(tmp_path)}
 
@@ -128,8 +129,8 @@ def test_each_checkpoint_reports_its_write_time_against_the_sigterm_budget(tmp_p
 
 def test_the_long_startup_timeout_is_for_the_very_first_start_only(tmp_path, monkeypatch):
     seen = []
-    real = elastic.init_process_group
-    monkeypatch.setattr(elastic, "init_process_group",
+    real = regroup.init_process_group
+    monkeypatch.setattr(regroup, "init_process_group",
                         lambda backend, membership, device, timeout_s: seen.append(timeout_s) or real(
                             backend, membership, device, timeout_s))
     config = small_run(tmp_path, "--distributed.startup_timeout_s=900", "--distributed.timeout_s=45")

@@ -130,9 +130,9 @@ def _stopped_status(result) -> int:
     not take a stopped run for a finished one. (A stop for a peer's signal exits in train().)"""
     import signal
 
-    from training.loop import elastic
+    from training.loop import signals
 
-    name = elastic.received_signal()
+    name = signals.received_signal()
     return 128 + signal.Signals[name].value if result.stopped_by_signal and name else 0
 
 

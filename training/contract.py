@@ -182,6 +182,15 @@ BROKEN_MARKER = "broken"
 # with distributed.nccl_recovery; its updates skippable on the device once the group breaks
 # (training/loop/lost_peer.py: a fused optimizer, no fp16 scaler). Other workers restart from the checkpoint.
 RECOVERS_MARKER = "recovers"
+CONTROL_FILES = (PAUSED_FILE, MEMBERSHIP_FILE, BROKEN_MARKER, RECOVERS_MARKER)
+
+
+def control_file(kind: str, local_rank: int | str) -> str:
+    """A worker's file in its agent's control folder: ``<kind>-<local rank>``; the membership, a JSON
+    document, ``membership-<local rank>.json``. ``local_rank`` ``"*"``: the glob of every worker's."""
+    return f"{kind}-{local_rank}" + (".json" if kind == MEMBERSHIP_FILE else "")
+
+
 REGROUP_SIGNAL = 10  # SIGUSR1 on Linux
 # Sent by the agent to workers that recover (RECOVERS_MARKER) when the rendezvous reports a lost peer: a
 # worker blocked in a collective on a peer that died silently (no connection reset: power, partition)

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from training.loop import elastic
+from training.loop import agreement
+from training.loop import regroup
 from training.device import detect
 
 # What NCCL (with aws-ofi-nccl) writes at init with NCCL_DEBUG=INFO.
@@ -116,8 +117,8 @@ def run_sweep(min_bytes: int, max_bytes: int, iterations: int, warmup: int, requ
     if runtime.backend == "nccl":
         nccl_log = Path(tempfile.gettempdir()) / f"nccl-{os.getpid()}.log"
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", NCCL_DEBUG_FILE=str(nccl_log))
-    membership = elastic.Membership.from_environment()
-    elastic.init_process_group(runtime.backend, membership, runtime.device, 600)
+    membership = regroup.Membership.from_environment()
+    regroup.init_process_group(runtime.backend, membership, runtime.device, 600)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     rows = sweep(runtime.device, world_size, sizes(min_bytes, max_bytes), iterations, warmup)
@@ -128,7 +129,7 @@ def run_sweep(min_bytes: int, max_bytes: int, iterations: int, warmup: int, requ
                 str(part) for part in nccl_transport(nccl_log.read_text()))
         except TransportError as exc:
             failure = str(exc)
-    (failed_somewhere,) = elastic.any_rank(failure is not None, device=runtime.collective_device)
+    (failed_somewhere,) = agreement.any_rank(failure is not None, device=runtime.collective_device)
     if rank == 0:
         print(format_table(rows, world_size, transport), flush=True)
         if json_path:

@@ -43,8 +43,9 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from training.launcher import compat
 from training.contract import (
-    BROKEN_MARKER, CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, EXIT_REPLACE_NODE, FINAL_EXITS, MEMBERSHIP_FILE, NODE_RANKS_EVENT,
-    LOST_PEER_SIGNAL, PAUSED_FILE, RECOVERS_MARKER, REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL, STACKS_SIGNAL, WRITING_MARKER,
+    BROKEN_MARKER, CONTROL_DIR_ENV, CONTROL_FILES, EXIT_MEMBERSHIP_CHANGE, EXIT_REPLACE_NODE, FINAL_EXITS, MEMBERSHIP_FILE,
+    NODE_RANKS_EVENT, LOST_PEER_SIGNAL, PAUSED_FILE, RECOVERS_MARKER, REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL, STACKS_SIGNAL,
+    WRITING_MARKER, control_file,
 )
 
 log = logging.getLogger("training.launcher")
@@ -59,7 +60,7 @@ DEFAULT_STOP_BUDGET_S = 30
 LOST_PEER_GRACE_S = 5.0
 # Seconds the workers get to pause after a lost peer before they are restarted as torch would: a bound
 # for a step, or a collective, that outlasts it (the workers shut their connections, so a collective on
-# the old group fails within a fraction of a second: training/loop/elastic.py, shut_tcp_connections). A
+# the old group fails within a fraction of a second: training/loop/regroup.py, shut_tcp_connections). A
 # restarted worker holds no state and receives it from a survivor that paused: the bound costs time.
 LOST_PEER_PAUSE_S = 5.0
 # Seconds between copies of the regroup signal to workers that have not paused yet (see _move_paused_workers):
@@ -131,8 +132,7 @@ class PlatformAgent(LocalElasticAgent):
             # budget for a pause numbered one the new workers never reach, then restart them.
             self._generation = 0
             self._broken_since = None
-            for pattern in (f"{WRITING_MARKER}-*", f"{PAUSED_FILE}-*", f"{MEMBERSHIP_FILE}-*", f"{BROKEN_MARKER}-*",
-                            f"{RECOVERS_MARKER}-*"):
+            for pattern in (control_file(kind, "*") for kind in (WRITING_MARKER, *CONTROL_FILES)):
                 for stale in self._control_dir.glob(pattern):
                     stale.unlink(missing_ok=True)
         return super()._start_workers(worker_group)
@@ -163,7 +163,7 @@ class PlatformAgent(LocalElasticAgent):
         if death_sig == signal.SIGINT and threading.current_thread() is threading.main_thread():
             # A Ctrl-C reached this agent and, from the terminal, its workers, which checkpoint at
             # the end of their step and take the copy forwarded here for the same Ctrl-C
-            # (training/loop/elastic.py, StopRequest). torch would take a second Ctrl-C for a new
+            # (training/loop/signals.py, StopRequest). torch would take a second Ctrl-C for a new
             # SignalException in the middle of this shutdown, then shut down again with the whole
             # budget (torch 2.13 elastic/agent/server/api.py, ``run``: ``finally: _shutdown``);
             # it ends this agent at once instead, and the workers with it (die_with_agent).
@@ -181,7 +181,7 @@ class PlatformAgent(LocalElasticAgent):
         if self._control_dir is None:
             return
         deadline = time.monotonic() + self._stop_budget_s
-        while list(self._control_dir.glob(f"{WRITING_MARKER}-*")) and time.monotonic() < deadline:
+        while list(self._control_dir.glob(control_file(WRITING_MARKER, "*"))) and time.monotonic() < deadline:
             if self._pcontext is None or self._pcontext.wait(0) is not None:
                 return  # the workers are gone: nothing is being written any more
             time.sleep(0.05)
@@ -211,7 +211,7 @@ class PlatformAgent(LocalElasticAgent):
         survivor furthest along. False when they cannot (their backend, see RECOVERS_MARKER) or did
         not pause within LOST_PEER_PAUSE_S: they then restart as torch does."""
         pids = self._pcontext.pids()
-        if not all((self._control_dir / f"{RECOVERS_MARKER}-{local_rank}").exists() for local_rank in pids):
+        if not all((self._control_dir / control_file(RECOVERS_MARKER, local_rank)).exists() for local_rank in pids):
             return False
         for pid in pids.values():  # a worker blocked on a peer that died silently fails its collective now
             with contextlib.suppress(ProcessLookupError):
@@ -272,7 +272,7 @@ class PlatformAgent(LocalElasticAgent):
         return True
 
     def _hand_membership(self, local_rank: int, generation: int, env: dict[str, str] | None) -> None:
-        target = self._control_dir / f"{MEMBERSHIP_FILE}-{local_rank}.json"
+        target = self._control_dir / control_file(MEMBERSHIP_FILE, local_rank)
         partial = target.with_name(target.name + ".partial")
         partial.write_text(json.dumps({"generation": generation, "env": env}))
         partial.replace(target)
@@ -282,7 +282,7 @@ class PlatformAgent(LocalElasticAgent):
         found = []
         for local_rank in pids:
             try:
-                paused = (self._control_dir / f"{PAUSED_FILE}-{local_rank}").read_text()
+                paused = (self._control_dir / control_file(PAUSED_FILE, local_rank)).read_text()
             except OSError:
                 paused = "none"
             found.append(f"worker {local_rank}: paused {paused}")
@@ -290,7 +290,7 @@ class PlatformAgent(LocalElasticAgent):
 
     def _paused(self, local_rank: int, generation: int) -> bool:
         try:
-            return (self._control_dir / f"{PAUSED_FILE}-{local_rank}").read_text() == str(generation)
+            return (self._control_dir / control_file(PAUSED_FILE, local_rank)).read_text() == str(generation)
         except OSError:
             return False
 
@@ -301,7 +301,7 @@ class PlatformAgent(LocalElasticAgent):
         workers restart as after any failure."""
         if not self._in_place or self._control_dir is None:
             return
-        broken = list(self._control_dir.glob(f"{BROKEN_MARKER}-*"))
+        broken = list(self._control_dir.glob(control_file(BROKEN_MARKER, "*")))
         if not broken:
             self._broken_since = None
             return
@@ -316,7 +316,7 @@ class PlatformAgent(LocalElasticAgent):
                 local_rank = int(marker.name.rsplit("-", 1)[1])
                 log.warning("worker %d: %s, and no peer was lost; it fails with that error", local_rank, reason)
                 # Not paused any more: a lost peer reported right after this must not move it (it is exiting).
-                (self._control_dir / f"{PAUSED_FILE}-{local_rank}").unlink(missing_ok=True)
+                (self._control_dir / control_file(PAUSED_FILE, local_rank)).unlink(missing_ok=True)
                 self._hand_membership(local_rank, int(generation), None)
         self._broken_since = None
 

@@ -90,10 +90,10 @@ def train_worker(*argv: str) -> None:
     # A process the forkserver started takes forkserver as its own default start method (CPython's
     # multiprocessing/spawn.py, ``prepare``): the trainer's DataLoader workers would come from the
     # server, without the dataset the trainer built, nor its handling of stop signals
-    # (training/loop/elastic.py, _leave_stops_to_the_parent). They start as in any interpreter.
+    # (training/loop/signals.py, _leave_stops_to_the_parent). They start as in any interpreter.
     multiprocessing.set_start_method(None, force=True)
     from training.__main__ import main as trainer_main
-    from training.loop import elastic
+    from training.loop import signals
 
     try:
         code = trainer_main(list(argv))
@@ -111,7 +111,7 @@ def train_worker(*argv: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    if elastic.received_signal():
+    if signals.received_signal():
         # The agent is stopping the group (it sent the signal) and reads no result; torch's
         # process wrapper would wait for it to read one, until the agent's SIGKILL.
         sys.stdout.flush()

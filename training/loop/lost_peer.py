@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from training.loop.elastic import shut_tcp_connections
+from training.loop.regroup import shut_tcp_connections
 from training.loop.state import Progress
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ POLL_S = 0.1
 # then exits, and restarts from the checkpoint): within the agent's LOST_PEER_PAUSE_S (5 s).
 ABORT_WAIT_S = 4.0
 # Steps the host may have queued beyond the device's: the agreement is read one step late
-# (elastic.LaggedAgreement), so the device runs at most two steps behind; one more for margin.
+# (agreement.LaggedAgreement), so the device runs at most two steps behind; one more for margin.
 STEPS_IN_FLIGHT = 3
 
 
@@ -175,7 +175,7 @@ class GroupGuard:
     def _watch_errors(self, round_: int) -> None:
         """The NCCL group's own error state (a peer's connection closed, a collective timed out):
         the watchdog records it, and with TORCH_NCCL_ASYNC_ERROR_HANDLING=0 does nothing else
-        (see elastic.RECOVERING_NCCL_ENVIRONMENT); this breaks the group the same way the agent's signal does."""
+        (see regroup.RECOVERING_NCCL_ENVIRONMENT); this breaks the group the same way the agent's signal does."""
         try:
             from torch._C._distributed_c10d import ErrorType
 

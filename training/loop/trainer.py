@@ -22,14 +22,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from training.loop import elastic
+from training.loop import agreement
+from training.loop import regroup
+from training.loop import signals
+from training.loop import spot
 from training.data.batch_slots import BatchSlots, slot_count
 from training.loop.broadcast import all_gather_objects, broadcast_state
 from training.loop.checkpoint import CheckpointError, CheckpointManager
 from training.config import TrainConfig
 from training.contract import (
     CONTROL_DIR_ENV, EXIT_MEMBERSHIP_CHANGE, EXIT_REPLACE_NODE, PROGRESS_FILE_ENV, STOP_BUDGET_ENV, WRITING_MARKER,
-    checkpoint_name,
+    checkpoint_name, control_file,
 )
 from training.data.datasets import DataError, attention_mask, build_dataset, build_loader
 from training.data.decode import build_decoder
@@ -73,19 +76,19 @@ class Trainer:
     def __init__(self, config: TrainConfig):
         self.config = config
         self.started = time.perf_counter()
-        self.stop = elastic.StopRequest()
+        self.stop = signals.StopRequest()
         self.stop.install()
-        self.membership = elastic.Membership.from_environment()
+        self.membership = regroup.Membership.from_environment()
         self.runtime: Runtime = detect(config.train.device)
         # Seconds between SIGTERM and SIGKILL, as the launcher was told (the pod's grace less a margin).
         self.stop_budget_s = float(os.environ.get(STOP_BUDGET_ENV, "30"))
-        self.spot = elastic.SpotNotice(os.environ.get(elastic.SPOT_NOTICE_ENV) == "imds"
+        self.spot = spot.SpotNotice(os.environ.get(spot.SPOT_NOTICE_ENV) == "imds"
                                        and self.membership.local_rank == 0)
         # The agent counts this round's training time from our first report (training/launcher/rendezvous.py).
         self._progress_file = os.environ.get(PROGRESS_FILE_ENV) if self.membership.local_rank == 0 else None
         control = os.environ.get(CONTROL_DIR_ENV)
         # Tells the agent a checkpoint is being written (training/launcher/agent.py waits for it before a SIGKILL).
-        self._writing_marker = Path(control) / f"{WRITING_MARKER}-{self.membership.local_rank}" if control else None
+        self._writing_marker = Path(control) / control_file(WRITING_MARKER, self.membership.local_rank) if control else None
         self.generation = 0  # rounds this process joined in place (regroups)
         self.regrouping = False  # the ranks agreed to stop for a regroup, not for good
         # Whether this process holds trained state (it resumed or started): a regroup's newcomers
@@ -117,7 +120,7 @@ class Trainer:
         self.ledger: StepLedger | None = None
         if (self.membership.distributed and not self.scaler.is_enabled() and self.runtime.kind in ("cpu", "cuda")
                 and (self.runtime.backend != "nccl" or config.distributed.nccl_recovery)
-                and elastic.recovers_from_lost_peers(self.runtime.backend, self._on_lost_peer)):
+                and regroup.recovers_from_lost_peers(self.runtime.backend, self._on_lost_peer)):
             self.guard = GroupGuard(self.runtime.device, self.runtime.backend)
             self.ledger = StepLedger(self.module, self.runtime.device)
         self.recovers = self.guard is not None
@@ -127,7 +130,7 @@ class Trainer:
         # metrics.straggler_policy=replace: the same decision on every rank, acted on at its step (replacement.py).
         self.replacement = Replacement(config.metrics.straggler_policy)
         self.leaving = False  # this worker's node was replaced: it leaves the job (EXIT_REPLACE_NODE)
-        self.retired_groups = elastic.RetiredGroups()  # the groups of rounds this process left
+        self.retired_groups = regroup.RetiredGroups()  # the groups of rounds this process left
         self.optimizer = build_optimizer(self.module, config.optim, fused=self.recovers)
         vocab = getattr(getattr(self.module, "size", None), "vocab", None)
         self.decoder = build_decoder(config.data.decode, self.runtime.kind) if config.data.kind == "imagefolder" else None
@@ -149,7 +152,7 @@ class Trainer:
         # The long first timeout covers the very first start only (first broadcast, compilation);
         # a restart resumes from a checkpoint and must notice a dead peer as soon as any step would.
         self.first_start = not CheckpointManager(config.checkpoint.dir).steps()
-        elastic.init_process_group(
+        regroup.init_process_group(
             self.runtime.backend, self.membership, self.runtime.device,
             config.distributed.startup_timeout_s if self.first_start else config.distributed.timeout_s,
         )
@@ -181,7 +184,7 @@ class Trainer:
         self._saved_step: int | None = None
         self._bad_pending = 0  # samples skipped on this rank since the last count across ranks
         self._nonfinite: Tensor | None = None  # single process: a non-finite loss seen since the last check
-        self.agreement = elastic.LaggedAgreement(self.runtime.collective_device)
+        self.agreement = agreement.LaggedAgreement(self.runtime.collective_device)
         self._hold = False  # several ranks: all wait, at this step, for rank 0's write in flight
         # Agreed before the resume: it names this round's keys in the store that the other ranks
         # wait in while rank 0 reads or writes a checkpoint.
@@ -227,8 +230,8 @@ class Trainer:
         started = time.perf_counter()
         if broken is not None:
             self._settle_broken_step(broken)
-        # Kept: the old DDP wrapper holds the group, and its destruction must wait (elastic.RetiredGroups).
-        self.retired_groups.retire(elastic.leave_process_group())
+        # Kept: the old DDP wrapper holds the group, and its destruction must wait (regroup.RetiredGroups).
+        self.retired_groups.retire(regroup.leave_process_group())
         self.model = self.module
         if broken is not None and self.sample_log:
             self.sample_log.close()
@@ -236,7 +239,7 @@ class Trainer:
         log.info("left the round at step %d (%s); waiting for round %d", self.progress.step,
                  "a collective failed" if broken is not None else "a regroup", self.generation)
         try:
-            env = elastic.await_membership(self.membership.local_rank, self.generation, self.stop, broken)
+            env = regroup.await_membership(self.membership.local_rank, self.generation, self.stop, broken)
         except SystemExit:
             self._save_alone()
             raise
@@ -244,7 +247,7 @@ class Trainer:
             self.refused = True
             raise broken
         os.environ.update(env)
-        self.membership = elastic.Membership.from_environment()
+        self.membership = regroup.Membership.from_environment()
         self.stop.reset()
         self.regrouping = False
         self._join_world()
@@ -256,7 +259,7 @@ class Trainer:
         first), let the device run what was queued, and go back to the step the weights hold:
         its progress, its BatchNorm statistics (the forward passes of later steps changed them).
         Raises ``broken`` when that step is no longer known."""
-        self.guard.break_group(f"{type(broken).__name__}: {elastic.first_line(broken)[:200]}")
+        self.guard.break_group(f"{type(broken).__name__}: {regroup.first_line(broken)[:200]}")
         # Whatever fails from here ends the worker (it restarts from the checkpoint): not again.
         self.refused = True
         if not self.guard.wait_ended():
@@ -275,7 +278,7 @@ class Trainer:
         self.progress = restored
 
     def _on_lost_peer(self) -> None:
-        """On the watcher thread, when the agent reports a lost peer (elastic.recovers_from_lost_peers)."""
+        """On the watcher thread, when the agent reports a lost peer (regroup.recovers_from_lost_peers)."""
         if self.guard is not None:  # None only while the worker starts
             self.guard.break_group("the agent reports a lost peer")
 
@@ -573,10 +576,11 @@ class Trainer:
 
     def _asked_to_stop(self) -> bool:
         """During an evaluation: has any rank been asked to stop or regroup? (All ranks ask together.)"""
-        stop, regroup = elastic.any_rank(self.stop.requested, self.stop.regroup, device=self.runtime.collective_device)
+        stop, regroup_asked = agreement.any_rank(self.stop.requested, self.stop.regroup,
+                                                 device=self.runtime.collective_device)
         self._check_group()
-        self.regrouping = regroup and not stop
-        return stop or regroup
+        self.regrouping = regroup_asked and not stop
+        return stop or regroup_asked
 
     def _after_step(self, run: "_Run", step_time: float) -> None:
         """Tell the agent this round trains (its first step), shorten the collectives' timeout once
@@ -585,7 +589,7 @@ class Trainer:
             self._report_progress()
         if (self.distributed and self.first_start
                 and self.progress.step - self.first_step == self.config.distributed.warmup_steps):
-            elastic.shorten_timeout(self.config.distributed.timeout_s)
+            regroup.shorten_timeout(self.config.distributed.timeout_s)
         self.checkpointer.stepped(self.progress.step, step_time)
 
     def _finish(self, run: "_Run") -> TrainResult:
@@ -637,7 +641,7 @@ class Trainer:
     def _agree(self, loss: Tensor) -> tuple[bool, bool, bool]:
         """Stop? Spot notice? Save now? And is the loss finite? All in the step's one tiny all-reduce.
 
-        With several ranks the all-reduce is read one step late (:class:`elastic.LaggedAgreement`),
+        With several ranks the all-reduce is read one step late (:class:`agreement.LaggedAgreement`),
         so the host never waits here for the device: a SIGTERM during step n checkpoints after
         step n + 1 on every rank (0 steps lost), and rank 0 asks one step ahead for the saves, so
         checkpoints land on the same steps as before, and whether all must wait for its write in
@@ -658,12 +662,12 @@ class Trainer:
         if agreed is None:  # the first step of this attempt: nothing was asked a step ago
             self._hold = False
             return False, False, False
-        stop_now, notice, save_now, diverged, regroup, self._hold = agreed
+        stop_now, notice, save_now, diverged, regroup_asked, self._hold = agreed
         if diverged:
             raise self._diverged()
         # A stop signal anywhere wins: the job (or this node) is going away, not changing size.
-        self.regrouping = regroup and not stop_now
-        return stop_now or regroup, notice, save_now
+        self.regrouping = regroup_asked and not stop_now
+        return stop_now or regroup_asked, notice, save_now
 
     def _keep_loss_bound(self) -> None:
         """Never train more than an interval past the newest checkpoint on disk. With several
@@ -884,7 +888,7 @@ class Trainer:
                 try:
                     taint_own_node()
                 except Exception as exc:  # noqa: BLE001 - the node leaves the job anyway; said, in one line
-                    log.error("this node could not be tainted (%s); it leaves the job anyway", elastic.first_line(exc))
+                    log.error("this node could not be tainted (%s); it leaves the job anyway", regroup.first_line(exc))
             self.leaving = True
         else:
             self.regrouping = True
@@ -1007,10 +1011,10 @@ def train(config: TrainConfig) -> TrainResult:
     round with its state (:meth:`Trainer.rejoin`)."""
     trainer = Trainer(config)
     broken: BaseException | None = None
-    regroup = False
+    rejoining = False
     while True:
         try:
-            if regroup:
+            if rejoining:
                 trainer.rejoin(broken)
             result = trainer.run()
         except BaseException as error:
@@ -1020,17 +1024,17 @@ def train(config: TrainConfig) -> TrainResult:
                 trainer.finish_writing()
                 raise
             log.warning("a collective failed at step %d (%s); keeping this worker's state for the round "
-                        "without the lost peer", trainer.progress.step, elastic.first_line(error)[:200])
+                        "without the lost peer", trainer.progress.step, regroup.first_line(error)[:200])
             # Its frames would keep the failed step's tensors (and the old group's objects) alive.
             error.__traceback__ = None
-            broken, regroup = error, True  # also when it failed while joining the next round
+            broken, rejoining = error, True  # also when it failed while joining the next round
             continue
         if trainer.leaving:  # its node was replaced: its checkpoint is written, the others go on without it
-            trainer.retired_groups.retire(elastic.leave_process_group())
+            trainer.retired_groups.retire(regroup.leave_process_group())
             raise SystemExit(EXIT_REPLACE_NODE)
         if not (result.stopped_by_signal and trainer.regrouping):
             break
-        broken, regroup = None, True
+        broken, rejoining = None, True
     if dist.is_initialized():
         dist.destroy_process_group()
     if result.stopped_by_signal and not trainer.stop.requested:
