@@ -4,9 +4,9 @@
 import sys
 
 from config import DEFAULT_CONFIG, load_config_or_exit
-from k8s_charts.node import NodeRuntimeMissing, select_node
+from k8s_charts.node_runtime import NodeRuntimeMissing, select_node
 
-try:  # before aws_cdk loads: jsii starts Node on import (k8s_charts/node.py says why the pinned one)
+try:  # before aws_cdk loads: jsii starts Node on import (k8s_charts/node_runtime.py says why the pinned one)
     select_node(needed_for="to synthesize (the AWS CDK and cdk8s run on it through jsii)")
 except NodeRuntimeMissing as exc:
     sys.exit(f"error: {exc}")

@@ -2,7 +2,8 @@
 
 from config.catalog import CATALOG, Accelerator, InstanceType, lookup
 from config.loader import DEFAULT_CONFIG, ConfigError, load_config, load_config_or_exit, parse_config
-from config.model import AcceleratedNodeGroupConfig, PlatformConfig
+from config.node_groups import AcceleratedNodeGroupConfig
+from config.platform import PlatformConfig
 
 __all__ = [
     "CATALOG",

@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from config.model import K8S_NAME_HELP, K8S_NAME_PATTERN, PlatformConfig
+from config.fields import K8S_NAME_HELP, K8S_NAME_PATTERN
+from config.platform import PlatformConfig
 from typed_config import ConfigError, exit_on_config_error, read_yaml_mapping, validate
 
 DEFAULT_CONFIG = "config/example.yaml"
 
-# Human wording for the regex constraints in config.model, keyed by pattern.
+# Human wording for the regex constraints of the config's models, keyed by pattern.
 _PATTERN_HELP = {
     r"^[a-z][a-z0-9-]{0,19}$": "lowercase letters, digits and '-', starting with a letter, at most 20 characters",
     r"^\d{12}$": "a 12-digit AWS account id, quoted, e.g. '123456789012'",

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from config import DEFAULT_CONFIG, load_config
-from k8s_charts.node import NodeRuntimeMissing, select_node
+from k8s_charts.node_runtime import NodeRuntimeMissing, select_node
 from typed_config import ConfigError, exit_on_config_error
 
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         volume = volume_from_outputs(read_outputs(args.outputs), config) if args.outputs else None
         app = App(outdir=args.out, output_file_extension=".yaml")
         render_platform(app, config, volume)
-        from k8s_charts.job_spec import load_job_spec
+        from config.job_spec import load_job_spec
 
         specs = [load_job_spec(path, config) for path in args.job]
         check_job_names(config, list(zip(args.job, specs, strict=True)))

@@ -9,8 +9,8 @@ from constructs import Construct
 
 from config import AcceleratedNodeGroupConfig, PlatformConfig
 from config.catalog import INSTANCE_TYPE_LABEL, NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
-from config.model import CapacityType
-from k8s_charts.job_spec import JobSpec
+from config.node_groups import CapacityType
+from config.job_spec import JobSpec
 from k8s_charts.objects import checkov_skips, k8s_object
 from k8s_charts.platform_charts import (
     FSX_CLAIM, TRAINER_SERVICE_ACCOUNT, client_tls_volume, etcd_endpoint,

@@ -9,7 +9,7 @@ from constructs import Construct
 from config import PlatformConfig
 from config.catalog import Accelerator
 from k8s_charts.job_charts import NcclCheckChart, TrainingJobChart
-from k8s_charts.job_spec import JobSpec
+from config.job_spec import JobSpec
 from k8s_charts.node_check import NodeCheckChart
 from k8s_charts.platform_charts import (
     EtcdCertificatesChart, EtcdChart, LustreVolumeValues, NamespacesChart, SchedulingChart, StorageChart, StorageClassChart,
@@ -76,7 +76,7 @@ def read_outputs(path: str) -> dict[str, Any]:
 
 def volume_from_outputs(outputs: dict[str, Any], config: PlatformConfig) -> LustreVolumeValues:
     """The FSx values from ``cdk deploy --outputs-file``: {stack name: {output key: value}}."""
-    stack = f"{config.name_prefix}-storage"
+    stack = config.stack_name("storage")
     if stack not in outputs:
         raise KeyError(f"--outputs: no stack {stack!r} in the file; deploy it with --outputs-file first")
     found = outputs[stack]

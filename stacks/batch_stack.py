@@ -9,7 +9,7 @@ from constructs import Construct
 from cdk_constructs.batch_training import BatchTraining, BatchTrainingProps, batch_log_group
 from cdk_constructs.network import RETENTION_BY_DAYS
 from config import PlatformConfig
-from config.model import CapacityType
+from config.node_groups import CapacityType
 from stacks.network_stack import NetworkStack
 from stacks.registry_stack import RegistryStack
 from stacks.storage_stack import StorageStack

@@ -24,7 +24,7 @@ from cdk_constructs.pod_identity import PodIdentityRole, associate
 from cdk_constructs.training_dashboard import TrainingDashboard, TrainingDashboardProps
 from config import AcceleratedNodeGroupConfig, PlatformConfig
 from config.catalog import NODE_ROLE_LABEL, SYSTEM_ROLE, Accelerator
-from config.model import ClusterConfig
+from config.cluster import ClusterConfig
 from k8s_charts.node_check import NODE_CHECK_NAMESPACE, NODE_CHECK_SERVICE_ACCOUNT, NodeCheckChart
 from k8s_charts.platform_charts import (
     TRAINER_SERVICE_ACCOUNT, EtcdCertificatesChart, EtcdChart, LustreVolumeValues, NamespacesChart, PlatformCheckChart,

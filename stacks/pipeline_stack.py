@@ -15,7 +15,7 @@ from constructs import Construct
 
 from cdk_constructs.nag import acknowledge
 from config import PlatformConfig
-from config.model import PipelineStageConfig
+from config.pipeline import PipelineStageConfig
 from stacks.platform import Platform, add_platform_stacks, add_policy_checks, build_platform
 
 # The README's second command, then its first: nothing is synthesized from untested code.
@@ -129,7 +129,7 @@ def build_app(app: App, config: PlatformConfig, config_path: str) -> Platform | 
     if config.pipeline is None:
         return build_platform(app, config)
     pipeline = PipelineStack(
-        app, f"{config.name_prefix}-pipeline", config=config, config_path=config_path,
+        app, config.stack_name("pipeline"), config=config, config_path=config_path,
         env=Environment(account=config.account, region=config.region),
         description=f"{config.name_prefix}: CDK pipeline that tests and deploys the platform",
     )

@@ -58,24 +58,24 @@ def add_platform_stacks(scope: Construct, config: PlatformConfig, env: Environme
     # Explicit names: in a pipeline stage the stacks keep the names the README and the CLI use.
     network = NetworkStack(
         scope,
-        f"{prefix}-network",
-        stack_name=f"{prefix}-network",
+        config.stack_name("network"),
+        stack_name=config.stack_name("network"),
         config=config,
         env=env,
         description=f"{prefix}: training VPC and compute subnet",
     )
     registry = RegistryStack(
         scope,
-        f"{prefix}-registry",
-        stack_name=f"{prefix}-registry",
+        config.stack_name("registry"),
+        stack_name=config.stack_name("registry"),
         config=config,
         env=env,
         description=f"{prefix}: trainer image repository and the worker node role that pulls from it",
     )
     storage = StorageStack(
         scope,
-        f"{prefix}-storage",
-        stack_name=f"{prefix}-storage",
+        config.stack_name("storage"),
+        stack_name=config.stack_name("storage"),
         config=config,
         network=network,
         env=env,
@@ -83,8 +83,8 @@ def add_platform_stacks(scope: Construct, config: PlatformConfig, env: Environme
     )
     cluster = ClusterStack(
         scope,
-        f"{prefix}-cluster",
-        stack_name=f"{prefix}-cluster",
+        config.stack_name("cluster"),
+        stack_name=config.stack_name("cluster"),
         config=config,
         network=network,
         registry=registry,
@@ -95,15 +95,16 @@ def add_platform_stacks(scope: Construct, config: PlatformConfig, env: Environme
     batch = None
     if config.batch is not None:
         batch = BatchStack(
-            scope, f"{prefix}-batch", stack_name=f"{prefix}-batch", config=config, network=network,
+            scope, config.stack_name("batch"), stack_name=config.stack_name("batch"), config=config, network=network,
             registry=registry, storage=storage, env=env,
             description=f"{prefix}: AWS Batch multi-node parallel training on the same network, storage and image",
         )
     slurm = None
     if config.slurm is not None:
         slurm = SlurmStack(
-            scope, f"{prefix}-slurm", stack_name=f"{prefix}-slurm", config=config, network=network, storage=storage,
-            env=env, description=f"{prefix}: AWS ParallelCluster (Slurm) on the same network, storage and image",
+            scope, config.stack_name("slurm"), stack_name=config.stack_name("slurm"), config=config, network=network,
+            storage=storage, env=env,
+            description=f"{prefix}: AWS ParallelCluster (Slurm) on the same network, storage and image",
         )
         # Its compute nodes pull from the registry's repository, named rather than referenced.
         slurm.add_stack_dependency(registry)

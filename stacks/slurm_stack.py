@@ -10,7 +10,7 @@ from constructs import Construct
 
 from cdk_constructs.slurm_cluster import SlurmCluster, SlurmClusterProps, SlurmQueueProps
 from config import PlatformConfig
-from config.model import CapacityType
+from config.node_groups import CapacityType
 from config.versions import PARALLELCLUSTER_VERSION
 from stacks.network_stack import NetworkStack
 from stacks.storage_stack import StorageStack

@@ -15,7 +15,7 @@ from botocore.validate import ParamValidator
 from moto import mock_aws
 
 from config import parse_config
-from k8s_charts.job_spec import parse_job_spec
+from config.job_spec import parse_job_spec
 from tests.trainctl_fixtures import one_error
 from tests.conftest import REPO, VARIANTS
 from trainctl.backends.batch import BatchJobs

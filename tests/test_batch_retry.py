@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from config import parse_config
-from k8s_charts.job_spec import parse_job_spec
+from config.job_spec import parse_job_spec
 from tests.conftest import REPO, VARIANTS
 from training.contract import batch_launch_command
 from trainctl.backends.local_cluster import Agent, free_port, read_events, wait_until

@@ -19,7 +19,7 @@ from config.catalog import (
     Accelerator,
     lookup,
 )
-from config.model import LOG_RETENTION_DAYS
+from config.fields import LOG_RETENTION_DAYS
 
 # name: (accelerator count, EFA interfaces, nproc per node)
 DESIGN_TABLE = {

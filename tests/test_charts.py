@@ -16,7 +16,7 @@ from cdk8s import App
 from config import CATALOG, parse_config
 from config.catalog import accelerated_types
 from k8s_charts.job_charts import TERMINATION_GRACE_SECONDS, DataPrepChart
-from k8s_charts.job_spec import load_job_spec, parse_job_spec
+from config.job_spec import load_job_spec, parse_job_spec
 from k8s_charts.platform_charts import LustreVolumeValues
 from k8s_charts.render import manifests, render_job, render_platform
 from k8s_charts.volcano import SCHEDULER_ACTIONS, helm_values

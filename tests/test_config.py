@@ -6,7 +6,8 @@ import pytest
 
 from config import ConfigError, load_config, parse_config
 from config.catalog import CATALOG
-from config.model import FsxDeploymentType, LOG_RETENTION_DAYS
+from config.fields import LOG_RETENTION_DAYS
+from config.storage import FsxDeploymentType
 from tests.conftest import EXAMPLE, REPO, config_variant
 
 ALL_ACCELERATED = (

@@ -163,7 +163,7 @@ def test_the_check_catches_a_changed_default(tmp_path):
 
 
 def test_the_scratch_defaults_in_the_notes_are_the_models():
-    from config.model import FsxConfig
+    from config.storage import FsxConfig
 
     scratch = FsxConfig(deployment_type="SCRATCH_2")
     rows = reference_rows(CONFIG_REFERENCE)

@@ -20,7 +20,7 @@ from cdk_constructs.autoscaled_size_handler import current_desired_size, handler
 from cdk_constructs.cluster_charts import ClusterCharts, nulls
 from config import CATALOG, ConfigError, parse_config
 from config.catalog import INSTANCE_TYPE_LABEL
-from config.model import SUPPORTED_KUBERNETES_VERSIONS
+from config.cluster import SUPPORTED_KUBERNETES_VERSIONS
 from config.versions import ADDON_VERSIONS, CLUSTER_AUTOSCALER_CHARTS, MIN_VPC_CNI_FOR_EFA_ONLY, autoscaler_minor, semver
 from tests.conftest import VARIANTS, config_variant
 from tests.test_cluster_stack import HELM, helm_charts, props, resources, values

@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from k8s_charts.job_spec import parse_job_spec
+from config.job_spec import parse_job_spec
 from tests.trainctl_fixtures import one_error
 from tests.conftest import REPO
 from tests.test_trainctl_kube import CONFIG
@@ -87,7 +87,7 @@ def test_render_refuses_a_typo_in_one_line_and_prints_no_manifest(tmp_path):
 
 
 def test_the_trainer_config_model_imports_without_torch():
-    code = ("import sys; import training.config, k8s_charts.job_spec, trainctl.backends.eks; "
+    code = ("import sys; import training.config, config.job_spec, trainctl.backends.eks; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
                    env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -115,8 +115,8 @@ def test_queue_and_priority_class_are_kubernetes_names_and_not_the_systems(field
 
 
 def test_the_job_spec_and_the_config_share_one_kubernetes_name_and_its_wording():
-    from config import loader, model
-    from k8s_charts import job_spec
+    from config import fields as model, loader
+    from config import job_spec
 
     assert job_spec.K8sName is model.K8sName
     assert job_spec._PATTERN_HELP[model.K8S_NAME_PATTERN] == loader._PATTERN_HELP[model.K8S_NAME_PATTERN]

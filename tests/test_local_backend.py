@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from config import parse_config
-from k8s_charts.job_spec import load_job_spec
+from config.job_spec import load_job_spec
 from tests.trainctl_fixtures import one_error
 from tests.conftest import REPO, example_data
 from trainctl.backends import local, local_cluster

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from k8s_charts import node
+from k8s_charts import node_runtime as node
 from tests.conftest import REPO
 
 
@@ -65,7 +65,7 @@ def test_render_from_a_plain_shell_uses_the_pinned_node_without_a_banner(tmp_pat
 
 def test_python_m_k8s_charts_without_node_is_one_line(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path), "JSII_NODE": ""}
-    code = ("import os, sys; from k8s_charts import node; node.PINNED_NODE = node.Path('/nonexistent/node'); "
+    code = ("import os, sys; from k8s_charts import node_runtime as node; node.PINNED_NODE = node.Path('/nonexistent/node'); "
             "os.environ.pop('JSII_NODE', None); from k8s_charts.__main__ import main; sys.exit(main(['--out', sys.argv[1]]))")
     result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], cwd=REPO, capture_output=True,
                             text=True, timeout=120, env={**env, "PYTHONPATH": str(REPO)})

@@ -100,7 +100,7 @@ def test_trainctl_is_a_declared_console_command():
 PACKAGES = ("app.py", "stacks", "cdk_constructs", "k8s_charts", "training", "trainctl", "config", "typed_config")
 DEPLOY_SIDE = {"app", "stacks", "cdk_constructs", "k8s_charts", "trainctl", "config"}
 # The trainer's own config model judges a job's trainer_args before anything is rendered
-# (k8s_charts/job_spec.py): pydantic only, and read by the deploy side, never the reverse.
+# (config/job_spec.py): pydantic only, and read by the deploy side, never the reverse.
 TRAINER_SCHEMA = "training.config"
 
 

@@ -11,7 +11,7 @@ from trainctl.__main__ import main
 from trainctl.backends.eks import EksBackend
 from trainctl.backends.slurm import SlurmBackend, render_for
 from config import load_config
-from k8s_charts.job_spec import load_job_spec
+from config.job_spec import load_job_spec
 
 SLURM_CONFIG = str(REPO / "config" / "slurm-example.yaml")
 EXAMPLE_CONFIG = str(REPO / "config" / "example.yaml")

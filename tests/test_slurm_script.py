@@ -16,7 +16,7 @@ import yaml
 
 from config import PlatformConfig
 from k8s_charts.job_charts import nccl_environment
-from k8s_charts.job_spec import parse_job_spec
+from config.job_spec import parse_job_spec
 from trainctl.backends.slurm import SlurmRuntime, pyxis_image, render_script
 from training.contract import (
     EXIT_CONFIG, SLURM_KILL_WAIT_S, SLURM_NODE_FLAG, SlurmEnvironmentError, shutdown_timeout,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from k8s_charts.node import HOW_TO_GET_IT
+from k8s_charts.node_runtime import HOW_TO_GET_IT
 
 from tests.conftest import REPO
 

@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client
 
 from config import parse_config
-from k8s_charts.job_spec import load_job_spec, parse_job_spec
+from config.job_spec import load_job_spec, parse_job_spec
 from tests.conftest import REPO, example_data
 from trainctl.errors import UserError
 from trainctl.backends.eks import Jobs, pod_at_index, pod_for_rank, render, render_text, status

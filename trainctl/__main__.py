@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # user mistakes become one line; real faults keep their traceback
-        from k8s_charts.node import NodeRuntimeMissing
+        from k8s_charts.node_runtime import NodeRuntimeMissing
         from trainctl.errors import UserError, from_aws
 
         if isinstance(exc, NodeRuntimeMissing):
@@ -268,7 +268,7 @@ def run(parser, args, config, source: ConfigSource) -> int:
         return list_checkpoints(args, config)
     if args.command == "nodes":
         return nodes(args, config)
-    from k8s_charts.job_spec import load_job_spec
+    from config.job_spec import load_job_spec
 
     if args.command == "render":
         from trainctl.backends import load
@@ -288,7 +288,7 @@ def run_job_command(parser, args, config) -> int:
     _check_combinations(args, backend_class)
     backend = backend_class(_connection(args, config))
     if args.command == "submit":
-        from k8s_charts.job_spec import load_job_spec
+        from config.job_spec import load_job_spec
 
         submitted = backend.submit(load_job_spec(args.job, config), SubmitOptions(
             replace=args.replace, dry_run=args.dry_run, nccl_check=args.nccl_check, python=args.python,
@@ -422,7 +422,7 @@ def nodes(args, config) -> int:
 def stack_outputs(session, config, stack: str, *keys: str) -> list[str]:
     from trainctl.errors import UserError
 
-    name = f"{config.name_prefix}-{stack}"
+    name = config.stack_name(stack)
     cloudformation = session.client("cloudformation", region_name=config.region)
     try:
         outputs = cloudformation.describe_stacks(StackName=name)["Stacks"][0].get("Outputs", [])

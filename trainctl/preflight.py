@@ -60,7 +60,7 @@ def run_preflight(config: PlatformConfig, session) -> list[Check]:
 
         checks.append(provider_template_check(session.client("s3", region_name=config.region), config.region,
                                               PARALLELCLUSTER_VERSION))
-        checks += slurm_checks(session, region=config.region, stack_name=f"{config.name_prefix}-slurm",
+        checks += slurm_checks(session, region=config.region, stack_name=config.stack_name("slurm"),
                                cluster_name=config.slurm_cluster_name, pcluster_version=PARALLELCLUSTER_VERSION)
     checks.append(bootstrap_check(config, session.client("cloudformation", region_name=config.region)))
     checks.append(access_check(config, session.client("sts", region_name=config.region)))

@@ -450,7 +450,7 @@ def program_checkpoint_step(name: str) -> int | None:
 # --- etcd, the rendezvous store -----------------------------------------------------------------
 
 # Members of the platform's etcd: one lost system node leaves a quorum of two, and the jobs see
-# no outage at all. The system node group keeps at least this many nodes (config/model.py).
+# no outage at all. The system node group keeps at least this many nodes (config/node_groups.py).
 ETCD_MEMBERS = 3
 # etcd's Raft timing: a heartbeat every 50 ms and an election after 500 ms (defaults 100 and 1000).
 # etcd grants no lease shorter than 1.5 election timeouts, rounded up to whole seconds

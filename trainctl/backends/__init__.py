@@ -26,7 +26,7 @@ from training.contract import NODE_RANKS_EVENT
 
 if TYPE_CHECKING:
     from config import PlatformConfig
-    from k8s_charts.job_spec import JobSpec
+    from config.job_spec import JobSpec
 
 # Each backend's module: imported only when a command names it (boto3, kubernetes or a Slurm shell
 # are then loaded for that backend alone).

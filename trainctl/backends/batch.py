@@ -19,7 +19,7 @@ import contextlib
 from dataclasses import asdict, dataclass
 
 from config import PlatformConfig
-from k8s_charts.job_spec import JobSpec
+from config.job_spec import JobSpec
 from trainctl.backends import Backend, Connection, LogOptions, SubmitOptions, Submitted, newest_claim, rank_claim
 from trainctl.errors import UserError, check_name
 from training.contract import (
@@ -82,7 +82,7 @@ class BatchJobs:
         found = self.batch.describe_job_definitions(jobDefinitionName=name, status="ACTIVE")["jobDefinitions"]
         if not found:
             raise UserError(f"no Batch job definition {name!r} in {self.config.region}",
-                            f"deploy the batch stack (npx cdk deploy {self.config.name_prefix}-batch)")
+                            f"deploy the batch stack (npx cdk deploy {self.config.stack_name('batch')})")
         base = max(found, key=lambda d: d["revision"])
         config = self.config
         node_range = dict(base["nodeProperties"]["nodeRangeProperties"][0])

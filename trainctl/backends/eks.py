@@ -11,7 +11,7 @@ import yaml
 
 from config import PlatformConfig
 from config.catalog import Accelerator
-from k8s_charts.job_spec import JobSpec
+from config.job_spec import JobSpec
 from trainctl.backends import (
     Backend, Connection, LogOptions, SubmitOptions, Submitted, metrics_events, newest_claim, rank_claim, say,
 )
@@ -27,11 +27,11 @@ FINISHED_PHASES = ("Completed", "Failed", "Terminated", "Aborted")
 def render_text(config: PlatformConfig, spec: JobSpec, nccl_check: bool = False) -> str:
     """The job's manifests as YAML, written by cdk8s as ``make synth`` writes them into dist/
     (App.synth_yaml): what `trainctl render` prints is byte for byte what dist/ holds. cdk8s runs
-    on Node (found or named by k8s_charts.node); the other commands don't need it."""
+    on Node (found or named by k8s_charts.node_runtime); the other commands don't need it."""
     if nccl_check and spec.group(config).instance.accelerator is not Accelerator.NVIDIA:
         raise UserError(f"--nccl-check: node group {spec.node_group} is Trainium, whose collectives run through the "
                         "Neuron runtime, not NCCL; allowed: a job on a GPU node group")
-    from k8s_charts.node import select_node
+    from k8s_charts.node_runtime import select_node
 
     select_node()
     from cdk8s import App

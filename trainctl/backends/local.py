@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from config import PlatformConfig
-from k8s_charts.job_spec import JobSpec
+from config.job_spec import JobSpec
 from trainctl.backends import Backend, Connection, LogOptions, SubmitOptions, Submitted, newest_claim, rank_claim
 from trainctl.backends.local_cluster import ETCD_ENV, etcd_binary, free_ports, read_events, read_new_events
 from trainctl.errors import UserError, check_name

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from config import PlatformConfig
 from k8s_charts.job_charts import cache_environment, nccl_environment, spot_environment
-from k8s_charts.job_spec import JobSpec
+from config.job_spec import JobSpec
 from trainctl.errors import UserError
 from trainctl.backends import (
     Backend, Connection, LogOptions, SubmitOptions, Submitted, metrics_events, newest_claim, rank_claim, say,

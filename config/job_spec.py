@@ -16,7 +16,7 @@ from pydantic import Field, ValidationInfo, model_validator
 
 from config import AcceleratedNodeGroupConfig, PlatformConfig
 from config.catalog import Accelerator
-from config.model import IMAGE_HELP, K8S_NAME_HELP, K8S_NAME_PATTERN, K8sName, pinned_image
+from config.fields import IMAGE_HELP, K8S_NAME_HELP, K8S_NAME_PATTERN, K8sName, pinned_image
 from training.config import check_overrides
 from training.contract import (
     CHECKPOINT_DIR_ENV, FSX_MOUNT, PLATFORM_TUNING, TRAINER_PROGRAM, checkpoint_dir, program_arguments, staging_dir,
