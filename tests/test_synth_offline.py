@@ -134,7 +134,8 @@ def test_bad_config_cli_fails_and_keeps_the_previous_output(tmp_path, bad_config
 
 
 def test_python_app_without_node_is_one_line(tmp_path, offline_env):
-    code = ("import os, runpy, sys; from k8s_charts import node_runtime as node; node.PINNED_NODE = node.Path('/nonexistent/node'); "
+    code = ("import os, runpy, sys; from k8s_charts import node_runtime as node; "
+            "node.PINNED_NODE = node.Path('/nonexistent/node'); "
             "os.environ.pop('JSII_NODE', None); sys.argv = ['app.py', '-o', sys.argv[1]]; runpy.run_path('app.py')")
     env = {**offline_env, "PATH": str(tmp_path), "PYTHONPATH": str(REPO)}
     env.pop("JSII_NODE", None)

@@ -207,9 +207,9 @@ def header(args, config, source: ConfigSource) -> str:
 
 
 def _session(args):
-    from trainctl.backends import Connection
+    from trainctl.backends import aws_session
 
-    return Connection(config=None, profile=args.profile).aws_session()
+    return aws_session(args.profile)
 
 
 # Options every job command takes whatever the backend: not the backend's to honour or refuse.

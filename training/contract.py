@@ -187,8 +187,13 @@ CONTROL_FILES = (PAUSED_FILE, MEMBERSHIP_FILE, BROKEN_MARKER, RECOVERS_MARKER)
 
 def control_file(kind: str, local_rank: int | str) -> str:
     """A worker's file in its agent's control folder: ``<kind>-<local rank>``; the membership, a JSON
-    document, ``membership-<local rank>.json``. ``local_rank`` ``"*"``: the glob of every worker's."""
+    document, ``membership-<local rank>.json``."""
     return f"{kind}-{local_rank}" + (".json" if kind == MEMBERSHIP_FILE else "")
+
+
+def control_glob(kind: str) -> str:
+    """Every worker's files of ``kind`` in the control folder, a half-written ``.partial`` one included."""
+    return f"{kind}-*"
 
 
 REGROUP_SIGNAL = 10  # SIGUSR1 on Linux

@@ -52,9 +52,14 @@ class Connection:
     workdir: Path | None = None      # the local backend's folder (local)
 
     def aws_session(self):
-        import boto3
+        return aws_session(self.profile)
 
-        return boto3.Session(profile_name=self.profile) if self.profile else boto3.Session()
+
+def aws_session(profile: str | None):
+    """A boto3 session of ``profile``, else of the usual credential chain."""
+    import boto3
+
+    return boto3.Session(profile_name=profile) if profile else boto3.Session()
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from training.launcher import compat
 from training.contract import (
     BROKEN_MARKER, CONTROL_DIR_ENV, CONTROL_FILES, EXIT_MEMBERSHIP_CHANGE, EXIT_REPLACE_NODE, FINAL_EXITS, MEMBERSHIP_FILE,
     NODE_RANKS_EVENT, LOST_PEER_SIGNAL, PAUSED_FILE, RECOVERS_MARKER, REGROUP_IN_PLACE_ENV, REGROUP_SIGNAL, STACKS_SIGNAL,
-    WRITING_MARKER, control_file,
+    WRITING_MARKER, control_file, control_glob,
 )
 
 log = logging.getLogger("training.launcher")
@@ -132,7 +132,7 @@ class PlatformAgent(LocalElasticAgent):
             # budget for a pause numbered one the new workers never reach, then restart them.
             self._generation = 0
             self._broken_since = None
-            for pattern in (control_file(kind, "*") for kind in (WRITING_MARKER, *CONTROL_FILES)):
+            for pattern in (control_glob(kind) for kind in (WRITING_MARKER, *CONTROL_FILES)):
                 for stale in self._control_dir.glob(pattern):
                     stale.unlink(missing_ok=True)
         return super()._start_workers(worker_group)
@@ -181,7 +181,7 @@ class PlatformAgent(LocalElasticAgent):
         if self._control_dir is None:
             return
         deadline = time.monotonic() + self._stop_budget_s
-        while list(self._control_dir.glob(control_file(WRITING_MARKER, "*"))) and time.monotonic() < deadline:
+        while list(self._control_dir.glob(control_glob(WRITING_MARKER))) and time.monotonic() < deadline:
             if self._pcontext is None or self._pcontext.wait(0) is not None:
                 return  # the workers are gone: nothing is being written any more
             time.sleep(0.05)
@@ -301,7 +301,7 @@ class PlatformAgent(LocalElasticAgent):
         workers restart as after any failure."""
         if not self._in_place or self._control_dir is None:
             return
-        broken = list(self._control_dir.glob(control_file(BROKEN_MARKER, "*")))
+        broken = list(self._control_dir.glob(control_glob(BROKEN_MARKER)))
         if not broken:
             self._broken_since = None
             return
