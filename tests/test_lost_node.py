@@ -118,7 +118,11 @@ def test_a_workers_own_error_is_not_taken_for_a_lost_peer(tmp_path, etcd_module)
     assert "and no peer was lost; it fails with that error" in faulty
     assert "joined round 1 in place" not in faulty  # restarted, not moved with a state
     resume = next(e for e in events(tmp_path, "resume") if e["time"] > raised_at)
-    assert resume["step"] >= 50  # nothing before the newest checkpoint is trained again
+    # Nothing before the newest checkpoint is trained again. Which step that is depends on the write's
+    # timing: the save policy starts a write early enough to land by the interval (its write lead,
+    # training/loop/save_policy.py), so on a loaded machine the second save can be step 49, not 50.
+    newest = max(e["step"] for e in events(tmp_path, "checkpoint_saved") if e["time"] < raised_at)
+    assert newest > 0 and resume["step"] >= newest
 
 
 def _guarded_trainer(tmp_path, max_steps: int):
