@@ -81,29 +81,35 @@ diff-offline: synth
 	    --fail-on destructive || status=1; \
 	done; exit $$status
 
+# The unit tests on every core (pytest-xdist, a module per worker so its fixtures are built once),
+# then the drills one at a time: each drill's agents and trainers already keep both cores busy, and
+# its disruptions are timed. Both always run; the target fails if either did.
+TEST_WORKERS ?= auto
 test: setup-test
-	$(PY) -m pytest
+	$(PY) -m pytest tests/unit -n $(TEST_WORKERS) --dist loadfile; unit=$$?; \
+	$(PY) -m pytest tests/drills; drills=$$?; \
+	exit $$(( unit || drills ))
 
 # The trainer's Neuron path (train.device=neuron: torch_xla, the xla process group) on torch-xla's
 # CPU device, in an environment of its own with the Neuron image's torch (requirements-xla.txt).
 # tests/conftest.py is left out: it imports the deploy side (CDK), which this environment has not.
 test-xla: $(XLA_STAMP)
-	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest --noconftest -m xla tests/test_xla_training.py
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest --noconftest -m xla tests/drills/test_xla_training.py
 
-# The unit tests, the snapshots and the lint, without real agents, etcd clusters or training
-# runs: under two minutes on 2 cores. `make test` still runs everything.
+# tests/unit: the unit tests, the snapshots and the lint, without real agents, etcd clusters,
+# training runs or whole-tool scans: about two minutes on 2 cores. `make test` runs the drills too.
 test-fast: setup-test
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest tests/unit -n $(TEST_WORKERS) --dist loadfile
 
-# The launcher's drills (tests/test_launcher_torches.py) under each torch the platform ships besides the
+# The launcher's drills (tests/drills/test_launcher_torches.py) under each torch the platform ships besides the
 # suite's 2.13: the Trainium image's 2.8 (.venv-xla, a CUDA build) and 2.14.1's CUDA build (.venv-torch214;
 # the torchtitan image runs 2.14). About 4 GB of wheels each; `make test` neither needs nor builds them
 # (training/launcher/compat.py and its tests guard the surfaces there).
 TORCH214_VENV := .venv-torch214
 TORCH214_STAMP := $(TORCH214_VENV)/.installed
 test-torches: system-packages $(XLA_STAMP) $(TORCH214_STAMP)
-	PYTHONPATH=$(CURDIR) $(XLA_VENV)/bin/python -m pytest --noconftest -p no:cacheprovider tests/test_launcher_torches.py
-	PYTHONPATH=$(CURDIR) $(TORCH214_VENV)/bin/python -m pytest --noconftest -p no:cacheprovider tests/test_launcher_torches.py
+	PYTHONPATH=$(CURDIR) $(XLA_VENV)/bin/python -m pytest --noconftest -p no:cacheprovider tests/drills/test_launcher_torches.py
+	PYTHONPATH=$(CURDIR) $(TORCH214_VENV)/bin/python -m pytest --noconftest -p no:cacheprovider tests/drills/test_launcher_torches.py
 
 $(TORCH214_STAMP): requirements-torch214.txt
 	$(PYTHON) -m venv $(TORCH214_VENV)
@@ -111,12 +117,12 @@ $(TORCH214_STAMP): requirements-torch214.txt
 	$(REGISTRY_ONLY) $(TORCH214_VENV)/bin/python -m pip install --quiet -r requirements-torch214.txt
 	touch $@
 
-# torchtitan itself on CPU through the platform's launcher (tests/test_torchtitan_cpu.py): its own venv,
+# torchtitan itself on CPU through the platform's launcher (tests/drills/test_torchtitan_cpu.py): its own venv,
 # .venv-titan, which `make test` neither needs nor builds (the module skips without it).
 TITAN_VENV := .venv-titan
 TITAN_STAMP := $(TITAN_VENV)/.installed
 test-titan: setup-test $(TITAN_STAMP)
-	$(PY) -m pytest tests/test_torchtitan_cpu.py
+	$(PY) -m pytest tests/drills/test_torchtitan_cpu.py
 
 $(TITAN_STAMP): tests/requirements-torchtitan.txt training/requirements.txt
 	$(PYTHON) -m venv $(TITAN_VENV)

@@ -8,7 +8,7 @@ and etcd's v2 API, which the platform dropped (its figures, measured before: ~40
 defaults, ~7 s tuned; docs/elasticity-and-checkpoints.md). benchmarks/elastic_scale.py measures 2 to 16 agents.
 
 Then one SIGTERM trial with the platform launcher (steps lost must be 0), and with --failures
-the failure drills (tests/drills.py) whose costs docs/elasticity-and-checkpoints.md shows.
+the failure drills (tests/drill_harness.py) whose costs docs/elasticity-and-checkpoints.md shows.
 
     python benchmarks/elastic_recovery.py [--trials 5] [--failures]   (--trials 0: the failure table alone)
 
@@ -117,7 +117,7 @@ def lost_node_table(sizes: list[int], moments: list[int], in_place: list[bool]) 
     """One node SIGKILLed at each size and moment, with each way of the survivors' (True: from memory)."""
     import dataclasses
 
-    from tests.drills import MOMENTS, lost_node_drill
+    from tests.drill_harness import MOMENTS, lost_node_drill
 
     rows = []
     for size in sizes:
@@ -136,8 +136,8 @@ def lost_node_table(sizes: list[int], moments: list[int], in_place: list[bool]) 
 
 
 def failure_table() -> None:
-    """What each failure costs a running job: the drills of tests/test_job_lifecycle.py, measured."""
-    from tests.drills import etcd_drill, every_sample_once, incarnation_drill
+    """What each failure costs a running job: the drills of tests/drills/test_job_lifecycle.py, measured."""
+    from tests.drill_harness import etcd_drill, every_sample_once, incarnation_drill
 
     plan = [("wait", 3), ("down", 20), ("wait", 3), ("down", 60), ("wait", 3), ("restart", 0), ("wait", 3),
             ("empty", 0)]

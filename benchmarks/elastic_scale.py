@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.drills import scale_drill  # after the path insert: run as a script
+from tests.drill_harness import scale_drill  # after the path insert: run as a script
 from training.contract import PLATFORM_TUNING, REGROUP_IN_PLACE_ENV
 
 

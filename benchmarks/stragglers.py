@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.drills import events, straggler_drill
+from tests.drill_harness import events, straggler_drill
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from training.contract import launch_command
-from tests.drills import events, trainer_args
+from tests.drill_harness import events, trainer_args
 from trainctl.backends.local_cluster import Agent, LocalEtcd, wait_until
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""checkov findings accepted in place, each with the reason a reviewer reads (tests/test_checkov.py).
+"""checkov findings accepted in place, each with the reason a reviewer reads (tests/drills/test_checkov.py).
 
 checkov reads a ``checkov`` entry of a resource's CloudFormation Metadata: ``{"skip": [{"id": ...,
 "comment": ...}]}``. Like cdk-nag's acknowledgements (cdk_constructs/nag.py), a skip names one

@@ -54,7 +54,7 @@ VOLCANO_MAX_RETRY = 2**31 - 1
 TRAINER_UID = 10001
 
 
-# checkov findings the training and NCCL-check pods accept, each for its reason (tests/test_checkov.py).
+# checkov findings the training and NCCL-check pods accept, each for its reason (tests/drills/test_checkov.py).
 PINNED_IMAGE_SKIPS = {
     "CKV_K8S_43": "images are pinned by tag or by digest (the job spec accepts both); a digest is not required",
     "CKV_K8S_15": "images are pinned; pulling Always would make every pod restart depend on the registry",
@@ -70,9 +70,9 @@ WORKER_SKIPS = {
 }
 # checkov reads a batch Job's pod at spec.template; a Volcano Job keeps its pods at
 # spec.tasks[].template, so these pod checks fail on a path that does not exist. The pods pass
-# them: tests/test_checkov.py scans each task's pod as a Pod, without these skips.
+# them: tests/drills/test_checkov.py scans each task's pod as a Pod, without these skips.
 VOLCANO_LAYOUT_SKIPS = {check: "checkov looks for the pod at spec.template; a Volcano Job keeps it at "
-                               "spec.tasks[].template, where it passes this check (tests/test_checkov.py)"
+                               "spec.tasks[].template, where it passes this check (tests/drills/test_checkov.py)"
                         for check in ("CKV_K8S_23", "CKV_K8S_29", "CKV_K8S_31", "CKV_K8S_38", "CKV_K8S_40")}
 WRITABLE_DIRS_SKIPS = {
     "CKV_K8S_25": "only the writable-dirs init container adds CHOWN, DAC_OVERRIDE and FOWNER, to hand the job's "

@@ -134,7 +134,7 @@ class EtcdChart(Chart):
     term, so etcd's rule is to remove and re-add a member that lost its data, which a volume
     makes unnecessary. The volume is tied to one AZ and detaches slowly from a dead node (up to
     6 minutes), but only the lost member waits for it: the two others keep the quorum, and jobs
-    see no outage (tests/test_etcd_quorum.py: a member killed mid-run, no step lost, no
+    see no outage (tests/drills/test_etcd_quorum.py: a member killed mid-run, no step lost, no
     re-rendezvous). Even a lost quorum is ridden out for 600 s (training/launcher/rendezvous.py).
 
     One member per system node (required anti-affinity), spread over AZs where it can be; a

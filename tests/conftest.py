@@ -142,29 +142,22 @@ def etcd_module():
         yield endpoint
 
 
-# Tests that start real processes (torchrun agents, etcd clusters, trainers, the CLI as users run
-# it), train models, or run whole-repository tools (checkov, the CDK CLI; cfn-lint's tests carry the
-# mark themselves): `make test` runs them, `make test-fast` (pytest -m "not slow") leaves them out.
-# Named by module, so a new test in one of these files is slow without saying so; a name here that
-# is no test module fails collection.
-SLOW_MODULES = {
-    "test_allreduce_bench", "test_bad_samples", "test_batch_retry", "test_bench", "test_chart_rendezvous",
-    "test_checkov", "test_device_decode", "test_durable_checkpoints", "test_elastic_scale", "test_elastic_training",
-    "test_etcd_quorum", "test_evaluation_runs", "test_fixed_global_batch", "test_gpu_check", "test_job_lifecycle",
-    "test_node_check",
-    "test_lagged_agreement", "test_launcher_torches", "test_local_runs", "test_lost_node", "test_models",
-    "test_operator_safety", "test_own_program", "test_prepare_imagenet", "test_recipe_training",
-    "test_rendezvous_v3", "test_resume_safety", "test_slow_checkpoint_io", "test_slurm_requeue", "test_stage_data",
-    "test_stop_budget", "test_stop_signals", "test_stragglers", "test_synth_offline", "test_throughput_benchmark",
-    "test_torchtitan_cpu", "test_trainctl_backends", "test_trainctl_cli", "test_trainer_metrics", "test_trainer_output",
-    "test_worker_lifecycle", "test_xla_training",
-}
+# tests/drills/ holds the tests that start real processes (torchrun agents, etcd clusters, trainers,
+# the CLI as users run it, Slurm, the local SSM and S3 stand-ins), train models, or run a whole tool
+# over the repository or its templates (checkov, cfn-lint, the CDK CLI); tests/unit/ holds the rest.
+# The directory is the mark: `make test` runs both, `make test-fast` runs tests/unit alone (and
+# `-m "not slow"` leaves the drills out of any selection); test_project_layout fails on a test module
+# in neither directory.
+DRILLS = REPO / "tests" / "drills"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (xdist/remote.py, 3.8.0)
 def pytest_collection_modifyitems(config, items):
-    unknown = sorted(name for name in SLOW_MODULES if not (REPO / "tests" / f"{name}.py").is_file())
-    if unknown:
-        raise pytest.UsageError(f"tests/conftest.py SLOW_MODULES names no test module: {', '.join(unknown)}")
     for item in items:
-        if item.path.stem in SLOW_MODULES:
+        if item.path.is_relative_to(DRILLS):
             item.add_marker(pytest.mark.slow)
+        # Under `pytest -n N --dist loadgroup` (make test, make test-fast) a group runs on one worker:
+        # a module's tests together, for its module fixtures; every test of the session-wide `synth`
+        # cache together, so no variant is synthesized twice (a synth is the most costly thing here).
+        group = "synth" if "synth" in getattr(item, "fixturenames", ()) else item.path.stem
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.test_trainctl_kube import FakeApiServer
+from tests.unit.test_trainctl_kube import FakeApiServer
 
 
 def kubeconfig(path, server_url: str, context: str = "lab") -> str:

@@ -1,4 +1,4 @@
-"""One trainer worker on torch-xla's CPU device with the ``xla`` process group, for tests/test_xla_training.py.
+"""One trainer worker on torch-xla's CPU device with the ``xla`` process group, for tests/drills/test_xla_training.py.
 
 torchrun runs this file instead of ``python -m training``; it takes the same arguments. Before the
 trainer starts, it makes two changes to torch_xla's ``ProcessGroupXla`` (torch_xla 2.8.0,

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 class Accelerator:
     """One device model's peak, for MFU."""
 
-    model: str  # the accelerator_model of config/catalog.py (tests/test_device_peaks.py keeps the two in step)
+    model: str  # the accelerator_model of config/catalog.py (tests/unit/test_device_peaks.py keeps the two in step)
     peak_flops: float  # dense bf16/fp16 tensor FLOPS of one device (a chip), no sparsity
     source: str  # the vendor's data sheet
     # Trainium: physical NeuronCores per chip, and how many make one logical core unless

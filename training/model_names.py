@@ -1,7 +1,7 @@
 """The names of the trainer's models, without torch: the platform side validates a job's
 trainer arguments against the trainer's config, and it does not install torch.
 
-``training.models`` builds a model for each of these names (tests/test_models.py keeps the two
+``training.models`` builds a model for each of these names (tests/drills/test_models.py keeps the two
 in step).
 """
 

@@ -1,6 +1,6 @@
 """A torchrun program of a job's own, as a user would bring it: FSDP2 on gloo, checkpoints with DCP.
 
-It imports nothing of this project (tests/test_own_program.py runs it through the platform's
+It imports nothing of this project (tests/drills/test_own_program.py runs it through the platform's
 launcher, injected as a pod gets it, and checks that ``training`` is not importable here). It
 follows the contract of docs/job-spec.md, "Your own torchrun program":
 

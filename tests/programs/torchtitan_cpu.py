@@ -1,6 +1,6 @@
 """torchtitan's own trainer (torchtitan==0.3.0, tests/requirements-torchtitan.txt) on CPU with gloo, as far as it goes.
 
-Run by torchrun (the platform's launcher in tests/test_torchtitan_cpu.py) as a script, with
+Run by torchrun (the platform's launcher in tests/drills/test_torchtitan_cpu.py) as a script, with
 torchtitan's own flags: ``--module torchtitan_cpu --config llama3_debugmodel_cpu ...``; torchtitan
 then imports this file again as the config registry (torchtitan/config/manager.py,
 ``_load_config``: a fully qualified module name is imported as is), where only

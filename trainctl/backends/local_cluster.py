@@ -2,7 +2,7 @@
 
 Each agent is a process group of its own, as a pod is, so killing the group is losing a node.
 The one local harness: ``trainctl --backend local`` finds etcd, ports and events with it, and the
-elastic tests, the drills (tests/drills.py) and the benchmarks run their agents with it. It imports
+elastic tests, the drills (tests/drill_harness.py) and the benchmarks run their agents with it. It imports
 nothing of the image but the contract, and is not in the image.
 """
 

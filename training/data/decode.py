@@ -7,7 +7,7 @@ into uint8 NHWC pixels on the device. The crops are the same either way, so both
 the same samples and labels. The values differ by about a level for 4:4:4 JPEGs (the IDCTs'
 rounding, and Pillow's resize rounding between its two passes where the device's does not) and
 by a few levels for 4:2:0 ones, where nvJPEG and libjpeg upsample chroma differently
-(tests/test_device_decode.py, run on an H100 before Pillow resized in the workers). Grayscale,
+(tests/drills/test_device_decode.py, run on an H100 before Pillow resized in the workers). Grayscale,
 CMYK and PNG files are decoded by the worker, as before.
 
 Two decoders share one small interface: :class:`NvjpegDecoder` (nvJPEG through

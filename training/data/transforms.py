@@ -50,7 +50,7 @@ def random_crop(height: int, width: int, seed: int, scale=(0.08, 1.0), ratio=(3 
     The draws, their float32 arithmetic and the fallback after ten misses are torchvision's
     (``RandomResizedCrop.get_params`` and ``RandomHorizontalFlip``, transforms/transforms.py,
     v0.28.0), from a generator seeded with ``seed`` instead of the global one: the same crop as
-    torchvision's after ``torch.manual_seed(seed)`` (tests/test_device_decode.py)."""
+    torchvision's after ``torch.manual_seed(seed)`` (tests/drills/test_device_decode.py)."""
     generator = generator_for(seed)
     area = height * width
     log_ratio = _log_bounds(tuple(ratio))

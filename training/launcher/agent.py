@@ -366,7 +366,7 @@ def install(newest_checkpoint: Callable[[], int | None], stop_budget_s: float = 
 
     ``torch.distributed.launcher.api.launch_agent`` (torch 2.8 to 2.14) constructs the agent through
     its module-level name ``LocalElasticAgent``; it has no other way to choose the class.
-    tests/test_launcher_torches.py fails if a torch upgrade changes that (compat.SURFACES names it).
+    tests/drills/test_launcher_torches.py fails if a torch upgrade changes that (compat.SURFACES names it).
     """
     import functools
 

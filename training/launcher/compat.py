@@ -9,7 +9,7 @@ every pod of the job with it. So the launcher uses only what every supported rel
 signatures they share, and :func:`problem` names anything missing before the agent starts.
 
 Read at each supported release (torch 2.8.0, 2.13.0, 2.14.1; docs/DESIGN.md, "The launcher and torch"):
-:data:`SURFACES` is the list. tests/test_launcher_torches.py runs the launcher's drills under each
+:data:`SURFACES` is the list. tests/drills/test_launcher_torches.py runs the launcher's drills under each
 release that the test environments install, and checks this list against the launcher's code.
 """
 

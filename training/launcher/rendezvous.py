@@ -334,7 +334,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         (1 s) ends every lease at once, live nodes' too (a lease renewed after its expiry is not found:
         etcd 3.5 ``server/lease/lessor.go``, ``Renew``; a new leader extends every lease by one election
         timeout only, ``server/etcdserver/server.go``, ``applyEntryNormal``: ``Promote``). Reproduced
-        with a real etcd stopped for 2 s (tests/test_rendezvous_v3.py); a CI run of the etcd drill
+        with a real etcd stopped for 2 s (tests/drills/test_rendezvous_v3.py); a CI run of the etcd drill
         re-formed once, losing nothing, right after etcd came back. Each node saw its peers gone,
         and itself, and the job re-formed for nothing. So when this node's own key is missing (it is alive:
         etcd dropped its lease), its lease was found gone, or etcd was away, missing members get

@@ -12,7 +12,7 @@ agent does: its end of the server's pipe closes, or the agent dies (``die_with_a
 What a worker needs is imported here, once: torch.optim imports torch._dynamo when the first
 optimizer is built (torch 2.13 torch/_compile.py, ``_disable_dynamo``): 1.7 s of a worker's 1.72 s
 start on this project's CI machine (mlp, profiled), paid by every worker of every restart unless
-the server has it. None of these touches a device (tests/test_launcher_torches.py forks after them
+the server has it. None of these touches a device (tests/drills/test_launcher_torches.py forks after them
 with torch's CUDA build and finds no poison).
 """
 

@@ -49,7 +49,7 @@ class CheckpointError(Exception):
 
 class HostCopies:
     """How a snapshot moves device tensors to the host: the CUDA calls, kept apart so that a test
-    can stand in for the device (tests/test_checkpoint.py)."""
+    can stand in for the device (tests/unit/test_checkpoint.py)."""
 
     def on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cuda"

@@ -1,0 +1,43 @@
+"""Three real etcd 3.5 members on loopback, started with the chart's flags: a job loses a member and does not notice.
+
+The agents are given every member's address, as the pods are (k8s_charts/platform_charts.py,
+etcd_endpoint). The leader is killed mid-run and comes back on its data after 8 s, as a
+StatefulSet member rescheduled onto its volume does; then a follower. Nothing may be lost:
+no re-rendezvous, no step trained twice, no pause longer than a second.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.drill_harness import events, every_sample_once, quorum_drill
+
+pytestmark = pytest.mark.timeout(600)
+
+SAMPLES = 96_000
+PLAN = [("wait", 2), ("leader", 8), ("wait", 2), ("follower", 8)]
+
+
+@pytest.fixture(scope="module")
+def quorum_run(tmp_path_factory):
+    return quorum_drill(tmp_path_factory.mktemp("quorum"), PLAN, samples=SAMPLES, nodes=3)
+
+
+def test_the_job_finishes_after_both_members_were_lost(quorum_run):
+    assert set(quorum_run.exit_codes.values()) == {0}, quorum_run.outputs["n0"][-3000:]
+    finished = events(quorum_run.work, "finished")
+    assert finished and finished[-1]["time"] > quorum_run.disruptions[-1].at + quorum_run.disruptions[-1].lasted_s, (
+        "the job finished before the drill's last disruption ended: raise SAMPLES")
+
+
+@pytest.mark.parametrize("what", ["etcd leader lost 8 s", "etcd follower lost 8 s"])
+def test_a_lost_member_costs_no_rendezvous_no_step_and_no_pause(quorum_run, what):
+    lost = next(d for d in quorum_run.disruptions if d.what == what)
+    assert (lost.restarts, lost.steps_lost) == (0, 0)
+    assert lost.stalled_s < 1.0
+    assert lost.steps_during > 10 * lost.lasted_s  # it trained all along
+
+
+def test_one_round_from_start_to_end_and_every_sample_once(quorum_run):
+    assert len(events(quorum_run.work, "rendezvous")) == 1
+    assert every_sample_once(quorum_run.work, SAMPLES)

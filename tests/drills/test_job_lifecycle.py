@@ -1,0 +1,105 @@
+"""A job lives through what a cluster does to it, with real agents and a real etcd on loopback.
+
+The drills (tests/drill_harness.py) run ``python -m training.launcher`` exactly as a pod does. Each
+test asserts that the job finishes, that every sample is trained exactly once in the counted
+steps, and what each disruption cost in steps and seconds. A node killed, a node joining and a
+node SIGTERMed are in test_elastic_training.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.drill_harness import INTERVAL, etcd_drill, events, every_sample_once, incarnation_drill
+from training.contract import EXIT_RESTART_JOB
+
+pytestmark = pytest.mark.timeout(600)
+
+# Sized so the job (about 180 steps/s with two agents on two cores) outlives the drill's plan.
+# One outage of 60 s (a 20 s one asserted nothing more and cost the suite 25 s).
+ETCD_DRILL_SAMPLES = 752_000  # a whole number of global batches (32): every_sample_once counts whole steps
+ETCD_PLAN = [("wait", 3), ("down", 60), ("wait", 3), ("restart", 0), ("wait", 3), ("empty", 0)]
+INCARNATION_SAMPLES = 120_000
+
+
+@pytest.fixture(scope="module")
+def etcd_run(tmp_path_factory):
+    return etcd_drill(tmp_path_factory.mktemp("etcd-drill"), ETCD_PLAN, samples=ETCD_DRILL_SAMPLES)
+
+
+@pytest.fixture(scope="module")
+def incarnations(tmp_path_factory):
+    return incarnation_drill(tmp_path_factory.mktemp("incarnations"), samples=INCARNATION_SAMPLES)
+
+
+def disruption(run, what):
+    return next(d for d in run.disruptions if d.what == what)
+
+
+def test_the_job_outlives_the_drill_and_finishes(etcd_run):
+    finished = events(etcd_run.work, "finished")
+    assert etcd_run.exit_codes == {"a": 0, "b": 0}, etcd_run.outputs["a"][-3000:]
+    assert finished and finished[-1]["time"] > etcd_run.disruptions[-1].at, (
+        "the job finished before the drill's last disruption: raise ETCD_DRILL_SAMPLES")
+
+
+def rendezvous_warnings(run) -> str:
+    """What the agents said about etcd and their rounds: why a round re-formed, when one did."""
+    return "\n".join(f"{name}: {line}" for name, output in run.outputs.items() for line in output.splitlines()
+                     if "WARNING training.launcher" in line)
+
+
+def test_a_job_keeps_training_while_etcd_is_away(etcd_run):
+    outage = disruption(etcd_run, "etcd down 60 s")
+    assert outage.restarts == 0 and outage.steps_lost == 0, rendezvous_warnings(etcd_run)
+    assert outage.stalled_s < 1.0  # training never paused
+    assert outage.steps_during > 20 * outage.lasted_s  # it trained all along
+
+
+def test_etcd_restarted_on_its_data_costs_nothing(etcd_run):
+    restart = disruption(etcd_run, "etcd restart")
+    assert (restart.restarts, restart.steps_lost) == (0, 0) and restart.stalled_s < 1.0
+
+
+def test_etcd_restarted_empty_costs_one_rendezvous_and_no_step(etcd_run):
+    empty = disruption(etcd_run, "etcd empty")
+    # Both nodes notice their round is gone, checkpoint on the way out and rejoin together.
+    assert empty.restarts == 1 and empty.steps_lost == 0
+    assert events(etcd_run.work, "rendezvous")[-1]["world_size"] == 2
+    assert "etcd lost the state" in etcd_run.outputs["a"]
+
+
+def test_every_sample_is_trained_once_through_the_etcd_drill(etcd_run):
+    assert every_sample_once(etcd_run.work, ETCD_DRILL_SAMPLES)
+
+
+def test_an_agent_whose_workers_crash_in_a_loop_asks_for_a_fresh_incarnation_and_its_peer_goes_on(incarnations):
+    assert incarnations.exit_codes["a"] == EXIT_RESTART_JOB
+    failed = disruption(incarnations, "a node's workers crash in a loop")
+    assert failed.restarts >= 1 and failed.steps_lost <= INTERVAL
+    # The first crash followed progress and was free; the one right after a restart was not.
+    assert "does not count against --max-restarts" in incarnations.outputs["a"]
+    # The failed agent left the round open: nothing but the job's success closes it.
+    assert "closed the rendezvous" not in incarnations.outputs["a"]
+
+
+def test_a_replacement_pod_rejoins_the_same_round_without_losing_a_step(incarnations):
+    replaced = disruption(incarnations, "the failed pod's replacement rejoins")
+    assert replaced.restarts == 1 and replaced.steps_lost == 0
+
+
+def test_a_new_version_of_the_job_resumes_from_the_newest_checkpoint(incarnations):
+    restarted = disruption(incarnations, "the whole job restarts under a new version")
+    assert restarted.restarts >= 1 and restarted.steps_lost <= INTERVAL
+    assert incarnations.exit_codes["c"] == incarnations.exit_codes["d"] == 0
+
+
+def test_a_pod_that_arrives_after_the_end_exits_cleanly_at_once(incarnations):
+    late = disruption(incarnations, "a pod arrives after the end")
+    assert incarnations.exit_codes["e"] == 0 and late.lasted_s < 15
+    assert not [e for e in events(incarnations.work, "rendezvous") if e["time"] > late.at]
+    assert "the job finished before this node could join" in incarnations.outputs["e"]
+
+
+def test_every_sample_is_trained_once_across_incarnations(incarnations):
+    assert every_sample_once(incarnations.work, INCARNATION_SAMPLES)

@@ -1,0 +1,299 @@
+"""The platform's rendezvous on etcd's v3 API, handler by handler, against a real etcd 3.5 on loopback.
+
+No trainer here: handlers run in threads of this process, as torch's agent would drive them
+(``next_rendezvous``, then ``num_nodes_waiting`` between health checks). The agents' own
+behaviour with real processes is in test_elastic_scale.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+from torch.distributed.elastic.utils.store import barrier
+
+from tests.drill_harness import etcd_metrics
+from training.launcher.etcd_v3 import EtcdClient, EtcdUnavailable, op_put, unchanged_since
+from training.contract import PLATFORM_TUNING
+from trainctl.backends.local_cluster import LocalEtcd, free_port
+from training.launcher.rendezvous import LEASE_DOUBT_TTLS, EtcdRendezvousHandler, EtcdStore, Outage
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def handler(endpoint: str, run_id: str, min_nodes: int = 1, max_nodes: int = 4, **tuning) -> EtcdRendezvousHandler:
+    return EtcdRendezvousHandler(run_id, min_nodes, max_nodes, EtcdClient(endpoint, timeout_s=2),
+                                 replace(PLATFORM_TUNING, **tuning), local_addr="127.0.0.1")
+
+
+def join_all(handlers: list[EtcdRendezvousHandler]) -> list:
+    """next_rendezvous on each, concurrently; their RendezvousInfos in order."""
+    results: list = [None] * len(handlers)
+
+    def join(i: int) -> None:
+        results[i] = handlers[i].next_rendezvous()
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(results), "a node never completed its rendezvous"
+    return results
+
+
+def until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# --- the client ------------------------------------------------------------------------------
+
+
+def test_the_client_reads_writes_and_compares_through_the_v3_gateway(etcd_module):
+    client = EtcdClient(etcd_module)
+    client.put("/t/a", b"1")
+    kv = client.get("/t/a")
+    assert kv.value == b"1"
+    # A transaction whose compare is stale does nothing; a fresh one writes.
+    assert client.txn([unchanged_since("/t/a", kv.mod_revision + 100)], [op_put("/t/a", "2")])[0] is False
+    assert client.txn([unchanged_since("/t/a", kv.mod_revision)], [op_put("/t/a", "2")])[0] is True
+    assert client.txn([unchanged_since("/t/new", 0)], [op_put("/t/new", "x")])[0] is True  # create-if-absent
+    assert client.txn([unchanged_since("/t/new", 0)], [op_put("/t/new", "y")])[0] is False
+    assert sorted(kv.key for kv in client.get_prefix("/t/")) == ["/t/a", "/t/new"]
+    assert client.delete("/t/", prefix=True) == 2
+
+
+def test_a_key_on_a_lease_lives_while_it_is_renewed_and_goes_when_it_is_not(etcd_module):
+    client = EtcdClient(etcd_module)
+    lease, granted = client.lease_grant(1)
+    assert granted == 1  # the platform's etcd flags allow 1 s leases (etcd's default minimum is 2 s)
+    client.put("/t/node", "alive", lease=lease)
+    for _ in range(8):  # 2 s of renewals at the shipped interval
+        assert client.lease_keepalive(lease) > 0
+        time.sleep(PLATFORM_TUNING.keep_alive_interval)
+    assert client.get("/t/node") is not None
+    stopped = time.monotonic()
+    until(lambda: client.get("/t/node") is None, 5, "the key of an unrenewed lease to go")
+    assert client.lease_keepalive(lease) == 0  # gone: the holder learns it must grant a new one
+    assert time.monotonic() - stopped < 3
+
+
+def test_an_unreachable_etcd_is_one_kind_of_error_and_fast():
+    client = EtcdClient(f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}", timeout_s=1)
+    started = time.monotonic()
+    with pytest.raises(EtcdUnavailable):
+        client.get("/anything")
+    assert time.monotonic() - started < 2
+
+
+def test_a_malformed_endpoint_is_named():
+    with pytest.raises(ValueError, match="rdzv endpoint: got 'etcd'"):
+        EtcdClient("etcd")
+
+
+# --- the agents' store -------------------------------------------------------------------------
+
+
+def test_the_store_serves_torchs_barrier_and_counters(etcd_module):
+    from datetime import timedelta
+
+    prefix = f"/t/store-{time.time_ns()}/"
+    stores = [EtcdStore(EtcdClient(etcd_module), prefix, Outage(10), timedelta(seconds=20)) for _ in range(3)]
+    stores[0].set("k", "v")
+    assert stores[1].get("k") == b"v" and stores[2].check(["k"]) and not stores[2].check(["nope"])
+    assert sorted(stores[i].add("n", 1) for i in range(3)) == [1, 2, 3]
+    done = []
+    threads = [threading.Thread(target=lambda s=s: (barrier(s, 3, "b/", 20), done.append(1))) for s in stores]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(done) == 3
+    with pytest.raises(LookupError):
+        stores[0].wait(["never"], timedelta(seconds=0.3))
+
+
+# --- rounds ------------------------------------------------------------------------------------
+
+
+def test_nodes_that_arrive_together_form_one_round_and_heartbeats_write_nothing(etcd_module):
+    nodes = [handler(etcd_module, "together", max_nodes=3) for _ in range(3)]
+    try:
+        infos = join_all(nodes)
+        assert sorted(info.rank for info in infos) == [0, 1, 2] and {info.world_size for info in infos} == {3}
+        # Every node learns rank 0's address for the workers' store.
+        assert len({(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}) == 1
+        before = etcd_metrics(etcd_module)["etcd_server_proposals_committed_total"]
+        quiet_until = time.monotonic() + 3
+        while time.monotonic() < quiet_until:  # the agents' health-check loop
+            assert [n.num_nodes_waiting() for n in nodes] == [0, 0, 0]
+            time.sleep(0.1)
+        # 3 s of heartbeats (12 lease renewals per node) and checks: no write reached Raft.
+        assert etcd_metrics(etcd_module)["etcd_server_proposals_committed_total"] == before
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+def test_a_dead_node_is_left_behind_when_its_lease_ends_with_no_last_call(etcd_module):
+    # A last call this long would show: the shrink must not wait for it.
+    nodes = [handler(etcd_module, "shrink", max_nodes=3, last_call_timeout=30) for _ in range(3)]
+    survivors, victim = nodes[:2], nodes[2]
+    try:
+        join_all(nodes)
+        victim._stopping.set()  # its pod is gone: no more renewals, and no goodbye
+        died = time.monotonic()
+        until(lambda: all(n.num_nodes_waiting() for n in survivors), 5, "the survivors to notice")
+        assert time.monotonic() - died < PLATFORM_TUNING.lease_ttl + 2.5
+        assert not any(n.stop_gracefully for n in survivors)  # no checkpoint can finish without the dead node
+        infos = join_all(survivors)
+        assert {info.world_size for info in infos} == {2}
+        assert time.monotonic() - died < 10  # far inside the last call
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+def test_leases_that_etcd_itself_ends_do_not_break_up_a_running_round(tmp_path):
+    # etcd ends every lease at once when it stalls or restarts for longer than their TTL (1 s): live
+    # nodes' keys go too, and each node re-grants its lease at its next keepalive. Before, each node
+    # took its peers (and itself) for dead and the job re-formed (a CI run of the etcd drill, once).
+    etcd = LocalEtcd()
+    nodes = [handler(etcd.start(), "doubt", max_nodes=2) for _ in range(2)]
+    try:
+        join_all(nodes)
+        # What etcd does after a stall, done at once to both leases (deterministic): the keys go.
+        for node in nodes:
+            node._client.lease_revoke(node._lease)
+        nodes[0]._checked = 0.0
+        assert nodes[0].num_nodes_waiting() == 0  # its own key is gone too: etcd's doing, not a death
+        # And the real thing: etcd stopped for 2 s, as a stalled disk or a paused VM does.
+        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        time.sleep(2.0)
+        os.kill(etcd.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            assert not any(node.num_nodes_waiting() for node in nodes), "a live node was taken for dead"
+            time.sleep(0.05)
+        live = nodes[0]._snapshot().live
+        assert {node._node for node in nodes} <= set(live)  # both renewed: new leases, same keys
+    finally:
+        for node in nodes:
+            node.shutdown()
+        etcd.__exit__()
+
+
+def test_a_node_that_dies_while_etcd_stalls_is_still_left_behind(tmp_path):
+    etcd = LocalEtcd()
+    nodes = [handler(etcd.start(), "doubt-dead", max_nodes=3) for _ in range(3)]
+    survivors, victim = nodes[:2], nodes[2]
+    try:
+        join_all(nodes)
+        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        victim._stopping.set()  # its pod is gone meanwhile: it will not renew
+        time.sleep(2.0)
+        os.kill(etcd.proc.pid, signal.SIGCONT)
+        back = time.monotonic()
+        until(lambda: all(n.num_nodes_waiting() for n in survivors), 10, "the survivors to notice")
+        # The doubt lasts LEASE_DOUBT_TTLS leases from the moment a survivor's own lease was found gone.
+        assert time.monotonic() - back < LEASE_DOUBT_TTLS * PLATFORM_TUNING.lease_ttl + 2.5
+        assert victim._node not in survivors[0]._snapshot().live
+    finally:
+        for node in nodes:
+            node.shutdown()
+        etcd.__exit__()
+
+
+def test_a_clean_exit_is_seen_at_once(etcd_module):
+    nodes = [handler(etcd_module, "leave", max_nodes=2, lease_ttl=10) for _ in range(2)]
+    try:
+        join_all(nodes)
+        nodes[1].shutdown()  # revokes its lease: no TTL to wait out
+        left = time.monotonic()
+        until(lambda: nodes[0].num_nodes_waiting(), 3, "the peer's departure")
+        assert time.monotonic() - left < 1.0
+    finally:
+        nodes[0].shutdown()
+
+
+def test_arrivals_during_a_running_round_wait_and_then_join_together(etcd_module):
+    first = handler(etcd_module, "growth", max_nodes=3, scale_up_after_s=3, last_call_timeout=1)
+    late = [handler(etcd_module, "growth", max_nodes=3, scale_up_after_s=3, last_call_timeout=1) for _ in range(2)]
+    try:
+        (info,) = join_all([first])
+        assert info.world_size == 1
+        started = time.monotonic()
+        joined: list = []
+        threads = [threading.Thread(target=lambda n=n: joined.append(n.next_rendezvous())) for n in late]
+        for thread in threads:
+            thread.start()
+            time.sleep(1)  # they arrive one after the other
+        while time.monotonic() - started < 2.5:
+            assert first.num_nodes_waiting() == 0, "admitted before the round trained scale_up_after_s"
+            time.sleep(0.1)
+        waiting = until(first.num_nodes_waiting, 5, "the admission")
+        assert waiting == 2 and first.stop_gracefully  # everyone alive: the old world checkpoints first
+        (again,) = join_all([first])
+        for thread in threads:
+            thread.join(timeout=30)
+        assert again.world_size == 3 and again.rank == 0  # the survivor keeps rank 0
+        assert sorted(i.rank for i in joined) == [1, 2]
+    finally:
+        for node in [first, *late]:
+            node.shutdown()
+
+
+def test_below_min_nodes_nobody_waits_for_an_admission(etcd_module):
+    nodes = [handler(etcd_module, "minimum", min_nodes=2, max_nodes=2, scale_up_after_s=600) for _ in range(2)]
+    try:
+        thread = threading.Thread(target=lambda: nodes[0].next_rendezvous())
+        thread.start()
+        time.sleep(1)
+        assert thread.is_alive()  # one node is below the minimum: it waits for the round to fill
+        info = nodes[1].next_rendezvous()
+        thread.join(timeout=10)
+        assert info.world_size == 2
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+def test_a_closed_rendezvous_turns_late_nodes_away(etcd_module):
+    done = handler(etcd_module, "closed")
+    try:
+        join_all([done])
+        done.close_round()
+        late = handler(etcd_module, "closed")
+        with pytest.raises(RendezvousClosedError):
+            late.next_rendezvous()
+        late.shutdown()
+    finally:
+        done.shutdown()
+
+
+def test_a_node_created_while_etcd_is_down_waits_for_it(tmp_path):
+    etcd = LocalEtcd()
+    try:
+        node = handler(etcd.endpoint, "patient")  # torch's registry builds it: no etcd call yet
+        result: list = []
+        thread = threading.Thread(target=lambda: result.append(node.next_rendezvous()))
+        thread.start()
+        time.sleep(3)
+        assert thread.is_alive() and not result  # waiting, not failed
+        etcd.start()
+        thread.join(timeout=30)
+        assert result and result[0].world_size == 1
+        node.shutdown()
+    finally:
+        etcd.__exit__()

@@ -1,0 +1,288 @@
+"""House rules that keep the two README commands working on a fresh clone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+PIN = re.compile(r"^[A-Za-z0-9_.-]+(\[[A-Za-z0-9_,.-]+\])?==[A-Za-z0-9_.+-]+$")
+
+
+def _requirement_lines(name: str) -> list[str]:
+    lines = (line.split("#", 1)[0].strip() for line in (REPO / name).read_text().splitlines())
+    return [line for line in lines if line]
+
+
+@pytest.mark.parametrize("name", ["requirements.txt", "requirements-dev.txt", "training/requirements.txt",
+                                  "requirements-xla.txt"])
+def test_every_python_requirement_is_pinned(name):
+    for line in _requirement_lines(name):
+        if not line.startswith("-r "):
+            assert PIN.match(line), f"{name}: {line!r} is not pinned with =="
+
+
+def test_deploy_requirements_leave_out_the_trainer():
+    lines = _requirement_lines("requirements.txt")
+    assert lines and not any("torch" in line.lower() or "training/" in line for line in lines)
+
+
+def test_cdk_cli_is_pinned_to_a_version_that_reads_aws_cdk_lib_2_27x():
+    package = json.loads((REPO / "package.json").read_text())
+    assert re.fullmatch(r"2\.1148\.\d+", package["devDependencies"]["aws-cdk"])
+    lock = json.loads((REPO / "package-lock.json").read_text())
+    assert lock["packages"]["node_modules/aws-cdk"]["version"] == package["devDependencies"]["aws-cdk"]
+
+
+def test_cli_telemetry_and_notices_are_off():
+    cdk = json.loads((REPO / "cdk.json").read_text())
+    assert cdk["notices"] is False and cdk["context"]["cli-telemetry"] is False
+
+
+def test_no_top_level_constructs_folder():
+    assert not (REPO / "constructs").exists(), "a top-level constructs/ would shadow the constructs library"
+
+
+def test_trainer_never_imports_cdk():
+    code = "import sys, training; print(sorted(m for m in sys.modules if m.split('.')[0] in ('aws_cdk', 'cdk_nag', 'jsii')))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def _field_paths(model, prefix=""):
+    from typed_config import unwrap_model
+
+    for name, field in model.model_fields.items():
+        nested = unwrap_model(field.annotation)
+        yield prefix + name
+        if nested is not None:
+            yield from _field_paths(nested, f"{prefix}{name}.")
+
+
+def test_config_reference_covers_every_field():
+    from config import PlatformConfig
+
+    doc = (REPO / "docs" / "config-reference.md").read_text()
+    reference = doc[doc.index("## Top level") : doc.index("## Instance catalog")]
+    # A field is named as a key of its own (`weight`) or as a part of a dotted key (`queue.weight`).
+    named = {part for key in re.findall(r"`([\w.\[\]]+)`", reference) for part in key.replace("[]", "").split(".")}
+    missing = [path for path in _field_paths(PlatformConfig) if path.rsplit(".", 1)[-1] not in named]
+    assert missing == []
+
+
+def test_trainer_config_reference_covers_every_field():
+    from training.config import TrainConfig
+
+    doc = (REPO / "docs" / "trainer.md").read_text()
+    reference = doc[doc.index("## Trainer config reference") : doc.index("## Trainer images")]
+    nested = [path for path in _field_paths(TrainConfig) if "." in path]
+    assert nested and [path for path in nested if f"`{path}`" not in reference] == []
+
+
+def test_trainctl_is_a_declared_console_command():
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"trainctl": "trainctl.__main__:main"}
+    command = Path(sys.executable).parent / "trainctl"
+    result = subprocess.run([str(command), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "preflight" in result.stdout and "stage-data" in result.stdout
+
+
+# --- the import graph: the contract is the only bridge ------------------------------------------
+
+PACKAGES = ("app.py", "stacks", "cdk_constructs", "k8s_charts", "training", "trainctl", "config", "typed_config")
+DEPLOY_SIDE = {"app", "stacks", "cdk_constructs", "k8s_charts", "trainctl", "config"}
+# The trainer's own config model judges a job's trainer_args before anything is rendered
+# (config/job_spec.py): pydantic only, and read by the deploy side, never the reverse.
+TRAINER_SCHEMA = "training.config"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project's modules it imports, at any depth of the file (function-level too)."""
+    import ast
+
+    modules = {}
+    for root in PACKAGES:
+        path = REPO / root
+        for file in [path] if path.is_file() else sorted(path.rglob("*.py")):
+            name = ".".join(file.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            modules[name] = file
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {name: set() for name in modules}
+    for name, file in modules.items():
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Import):
+                found = [resolve(alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found = [resolve(f"{node.module}.{alias.name}") or resolve(node.module) for alias in node.names]
+            else:
+                continue
+            graph[name] |= {target for target in found if target and target != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_platform_and_the_image_meet_only_in_the_contract():
+    graph = import_graph()
+    crossings = sorted((source, target) for source, targets in graph.items() for target in targets
+                       if (source.split(".")[0] in DEPLOY_SIDE) != (target.split(".")[0] in DEPLOY_SIDE)
+                       and "typed_config" not in (source.split(".")[0], target.split(".")[0]))
+    assert {target for _, target in crossings} <= {"training.contract", TRAINER_SCHEMA}
+    assert all(source.split(".")[0] in DEPLOY_SIDE for source, _ in crossings)  # the image imports no deploy code
+    contract = graph["training.contract"]
+    assert contract == set(), f"the contract imports {sorted(contract)}"
+
+
+def test_the_contract_loads_neither_torch_nor_cdk():
+    code = ("import sys, training.contract; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'aws_cdk', 'cdk8s', 'numpy'}))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+# --- the trainer's rooms --------------------------------------------------------------------------
+
+def room(module: str) -> str:
+    """training.loop.trainer -> training.loop; top-level modules (training.config) are rooms of their own."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_the_trainer_is_in_rooms_that_import_each_other_one_way():
+    graph = import_graph()
+    rooms: dict[str, set[str]] = {}
+    for source, targets in graph.items():
+        if source.startswith("training"):
+            rooms.setdefault(room(source), set()).update(room(t) for t in targets if t.startswith("training"))
+    for name, targets in rooms.items():
+        targets.discard(name)
+    assert {"training.launcher", "training.loop", "training.data", "training.models"} <= set(rooms)
+    assert cycles(rooms) == []
+
+
+def test_the_image_holds_nothing_only_tests_use():
+    """The local harness (trainctl/backends/local_cluster.py) and the drills (tests/drill_harness.py) are outside
+    training/, which the images copy whole (training/docker/Dockerfile.*: COPY training/ training/)."""
+    graph = import_graph()
+    assert not (REPO / "training" / "devtools").exists()
+    users = sorted(source for source, targets in graph.items()
+                   if source.startswith("training") and any(t.startswith(("trainctl", "tests")) for t in targets))
+    assert users == []
+    for dockerfile in (REPO / "training" / "docker").glob("Dockerfile*"):
+        copied = [line.split()[1] for line in dockerfile.read_text().splitlines() if line.startswith("COPY ")]
+        assert not [path for path in copied if path.startswith(("tests", "trainctl", "benchmarks"))], dockerfile
+
+
+def test_constructs_take_resources_and_facts_not_config_models():
+    """A construct's props are resources and plain facts (issue 34); the stacks translate the config.
+    From config/ a construct reads only the catalog's hardware facts and the pinned versions."""
+    graph = import_graph()
+    reads = {(source, target) for source, targets in graph.items() if source.split(".")[0] == "cdk_constructs"
+             for target in targets if target.split(".")[0] == "config"}
+    assert {target for _, target in reads} <= {"config.catalog", "config.versions"}, sorted(reads)
+
+
+def test_the_shared_paths_and_node_labels_are_spelled_only_in_the_contract():
+    """The /fsx folders and the platform's node labels: one spelling, in training/contract.py."""
+    import ast
+
+    spelled = []
+    for root in PACKAGES:
+        path = REPO / root
+        for file in [path] if path.is_file() else sorted(path.rglob("*.py")):
+            for node in ast.walk(ast.parse(file.read_text())):
+                if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                        and node.value.startswith(("/fsx", "training-platform/"))):
+                    spelled.append((str(file.relative_to(REPO)), node.value))
+    assert spelled and {file for file, _ in spelled} == {"training/contract.py"}, spelled
+
+
+def test_trainctl_backends_import_only_the_interface_and_main_only_dispatches():
+    """trainctl/backends/: no backend imports another (what they share is the interface module's), and
+    __main__ reaches a backend only by name, through the interface (trainctl.backends.load), and
+    compares nothing against a backend's name: the backend's own logic lives in its module."""
+    import ast
+
+    from trainctl.backends import BACKENDS
+
+    graph = import_graph()
+    # a backend's modules: its own, and its helpers beside it (slurm's SSM shell, slurm_transport)
+    own = {name: {m for m in graph if m == module or m.startswith(f"{module}_")} for name, module in BACKENDS.items()}
+    for name, modules in own.items():
+        others = set().union(*(theirs for other, theirs in own.items() if other != name))
+        for module in modules:
+            assert not graph[module] & others, (module, graph[module] & others)
+    assert not graph["trainctl.__main__"] & set().union(*own.values())
+    tree = ast.parse((REPO / "trainctl" / "__main__.py").read_text())
+    compared = {node.value for compare in ast.walk(tree) if isinstance(compare, ast.Compare)
+                for node in ast.walk(compare) if isinstance(node, ast.Constant)}
+    assert not compared & set(BACKENDS), compared & set(BACKENDS)
+
+
+def test_the_regroup_handshake_names_its_files_through_the_contract_only():
+    """The agent and its workers meet in a control folder (training/launcher/agent.py and
+    training/loop/regroup.py, the two sides of a regroup): every file name there comes from
+    training.contract.control_file, never typed again on one side."""
+    import re
+
+    typed = re.compile(r"\{(?:PAUSED_FILE|MEMBERSHIP_FILE|BROKEN_MARKER|RECOVERS_MARKER|WRITING_MARKER)\}-")
+    found = [f"{path.relative_to(REPO)}:{number}" for path in sorted((REPO / "training").rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if typed.search(line)]
+    assert found == []
+
+
+def test_every_test_module_is_a_unit_test_or_a_drill():
+    """Slow by directory (tests/conftest.py, DRILLS): a module outside both would run in neither
+    `make test-fast` nor as a marked drill."""
+    assert sorted(path.name for path in (REPO / "tests").glob("test_*.py")) == []
+    folders = {path.parent.relative_to(REPO / "tests").as_posix() for path in (REPO / "tests").rglob("test_*.py")}
+    assert folders == {"unit", "drills"}
