@@ -151,13 +151,7 @@ def etcd_module():
 DRILLS = REPO / "tests" / "drills"
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (xdist/remote.py, 3.8.0)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.is_relative_to(DRILLS):
             item.add_marker(pytest.mark.slow)
-        # Under `pytest -n N --dist loadgroup` (make test, make test-fast) a group runs on one worker:
-        # a module's tests together, for its module fixtures; every test of the session-wide `synth`
-        # cache together, so no variant is synthesized twice (a synth is the most costly thing here).
-        group = "synth" if "synth" in getattr(item, "fixturenames", ()) else item.path.stem
-        item.add_marker(pytest.mark.xdist_group(group))
