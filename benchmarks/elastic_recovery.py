@@ -17,7 +17,7 @@ two checkpoints, during a checkpoint write and during an evaluation, at each siz
 survivors recovering from memory (the shipped launcher) and restarting from the checkpoint
 (PLATFORM_REGROUP_IN_PLACE=0, as before issue 49): steps trained again, SIGKILL -> next step, and
 the bytes read from the checkpoint folder
-(tests.drills.lost_node_drill). docs/elasticity-and-checkpoints.md shows the table.
+(tests.drill_harness.lost_node_drill). docs/elasticity-and-checkpoints.md shows the table.
 """
 
 from __future__ import annotations

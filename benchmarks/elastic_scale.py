@@ -2,7 +2,7 @@
 
 For each size, twice: all agents started at once, and started evenly over ``--spread`` seconds.
 Each agent is the pod's command (``python -m training.launcher``, the ``mlp`` model, CPU, gloo),
-its own process group. Measured (tests.drills.scale_drill):
+its own process group. Measured (tests.drill_harness.scale_drill):
 
 - time to the full world, from the first and from the last arrival, and the rounds it took;
 - rounds during ``--steady`` seconds of training at full size (re-rendezvous: should be 0);

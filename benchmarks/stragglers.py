@@ -1,6 +1,6 @@
 """Stragglers on loopback: false alarms in a healthy job, and how soon a throttled node is named.
 
-Real agents (CPU, gloo, the drills' MLP) and a real etcd (tests.drills.straggler_drill).
+Real agents (CPU, gloo, the drills' MLP) and a real etcd (tests.drill_harness.straggler_drill).
 The job trains healthy for --healthy-s seconds: every ``straggler`` event then is a false alarm.
 Then the last node's workers get --share of their CPU time (stopped and continued in turn every
 50 ms, as a CPU quota does) for --slowed-s seconds: the report windows until the event that names
