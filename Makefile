@@ -85,9 +85,11 @@ diff-offline: synth
 # a worker, and faster here; --dist loadgroup is inert under pytest 9.2, see docs/development.md),
 # then the drills one at a time: each drill's agents and trainers already keep both cores busy, and
 # its disruptions are timed. Both always run; the target fails if either did.
+# auto: a worker per core this process may use, at most 4: each one holds CDK, cdk8s and torch
+# in memory and starts its own jsii kernel.
 TEST_WORKERS ?= auto
 test: setup-test
-	$(PY) -m pytest tests/unit -n $(TEST_WORKERS); unit=$$?; \
+	$(PY) -m pytest tests/unit -n $(TEST_WORKERS) --maxprocesses=4; unit=$$?; \
 	$(PY) -m pytest tests/drills; drills=$$?; \
 	exit $$(( unit || drills ))
 
@@ -100,7 +102,7 @@ test-xla: $(XLA_STAMP)
 # tests/unit: the unit tests, the snapshots and the lint, without real agents, etcd clusters,
 # training runs or whole-tool scans: about 2.5 minutes on 2 cores. `make test` runs the drills too.
 test-fast: setup-test
-	$(PY) -m pytest tests/unit -n $(TEST_WORKERS)
+	$(PY) -m pytest tests/unit -n $(TEST_WORKERS) --maxprocesses=4
 
 # The launcher's drills (tests/drills/test_launcher_torches.py) under each torch the platform ships besides the
 # suite's 2.13: the Trainium image's 2.8 (.venv-xla, a CUDA build) and 2.14.1's CUDA build (.venv-torch214;
