@@ -89,8 +89,9 @@ diff-offline: synth
 # in memory and starts its own jsii kernel.
 TEST_WORKERS ?= auto
 test: setup-test
-	$(PY) -m pytest tests/unit -n $(TEST_WORKERS) --maxprocesses=4; unit=$$?; \
-	$(PY) -m pytest tests/drills; drills=$$?; \
+	unit=0; drills=0; \
+	$(PY) -m pytest tests/unit -n $(TEST_WORKERS) --maxprocesses=4 || unit=$$?; \
+	$(PY) -m pytest tests/drills || drills=$$?; \
 	exit $$(( unit || drills ))
 
 # The trainer's Neuron path (train.device=neuron: torch_xla, the xla process group) on torch-xla's
