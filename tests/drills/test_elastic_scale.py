@@ -84,6 +84,8 @@ def test_a_scale_up_keeps_the_survivors_workers_and_loses_no_step(tmp_path, etcd
         assert resume and resume[0]["step"] >= last_of_two  # nothing trained is lost
         assert resume[0]["checkpoint"] is None and resume[0]["bytes_read"] == 0 and resume[0]["bytes_from_peer"] > 0
         assert "regroup_s" in resume[0]
+        paused = [e for e in events(tmp_path, "stop") if e["time"] > joined_at]
+        assert paused and all(e["regroup"] and e["signal"] is None for e in paused), paused  # said as no stop
         assert not [e for e in events(tmp_path, "checkpoint_started") if e["time"] > joined_at
                     and e["step"] == resume[0]["step"]]  # no checkpoint written for the regroup
 

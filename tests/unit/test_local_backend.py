@@ -110,3 +110,23 @@ def test_the_example_also_renders_for_eks():
 
     objects = render(CONFIG, load_job_spec(EXAMPLE, CONFIG))
     assert objects[-1]["metadata"]["name"] == "mlp-elastic"
+
+
+STOPS = {  # rank 0's "stop" events as training/loop/trainer.py writes them (_finish)
+    "signal": {"event": "stop", "step": 380, "signal": "SIGTERM", "by_peer": False, "regroup": False},
+    "peer": {"event": "stop", "step": 380, "signal": None, "by_peer": True, "regroup": False},
+    "regroup": {"event": "stop", "step": 380, "signal": None, "by_peer": True, "regroup": True},
+}
+
+
+def test_a_stop_to_change_rounds_is_not_told_as_a_stop_with_a_checkpoint():
+    """A round changed in place writes no checkpoint and ends nothing; CI's Ctrl-C drill once took
+    its line ("stopped at step 380 to change rounds; checkpoint saved") for the Ctrl-C's stop."""
+    from training.loop.metrics import human_line
+
+    assert local.describe(STOPS["signal"]) == "stopped at step 380 (SIGTERM); checkpoint saved"
+    assert local.describe(STOPS["peer"]) == "stopped at step 380 (a peer stopped); checkpoint saved"
+    assert local.describe(STOPS["regroup"]) == (
+        "changing rounds at step 380: nodes came or went; the state stays in memory")
+    assert human_line(STOPS["regroup"], None) == local.describe(STOPS["regroup"])
+    assert human_line(STOPS["signal"], None) == "stopped (SIGTERM) at step 380; the same command resumes it"

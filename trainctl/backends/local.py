@@ -219,9 +219,10 @@ def describe(event: dict) -> str | None:
         return f"checkpoint saved: step {e['step']}"
     if kind == "finished":
         return f"finished at step {e['step']}" + (f", loss {e['loss']:.4f}" if e.get("loss") is not None else "")
+    if kind == "stop" and e.get("regroup"):  # no checkpoint: the same workers go on in the next round
+        return f"changing rounds at step {e['step']}: nodes came or went; the state stays in memory"
     if kind == "stop":
-        why = f" ({e['signal']})" if e.get("signal") else " to change rounds"  # a regroup: nodes came or went
-        return f"stopped at step {e['step']}{why}; checkpoint saved"
+        return f"stopped at step {e['step']} ({e.get('signal') or 'a peer stopped'}); checkpoint saved"
     return None
 
 

@@ -125,6 +125,8 @@ def human_line(record: dict[str, Any], total_steps: int | None) -> str | None:
         return f"resuming from step {r['step']:,}" + (f" ({r['checkpoint']})" if r.get("checkpoint") else "")
     if kind == "checkpoint_saved":
         return f"checkpoint saved: step {r['step']:,}, {r['bytes'] / 2**20:,.0f} MiB in {r['write_s']:.1f} s"
+    if kind == "stop" and r.get("regroup"):
+        return f"changing rounds at step {r['step']:,}: nodes came or went; the state stays in memory"
     if kind in ("finished", "stop"):
         how = "finished" if kind == "finished" else f"stopped ({r.get('signal') or 'a peer stopped'})"
         line = f"{how} at step {r['step']:,}"

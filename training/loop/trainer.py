@@ -607,6 +607,9 @@ class Trainer:
         newest = self.checkpoints.steps()
         self.metrics.event("stop" if run.stopped else "finished", step=self.progress.step,
                            signal=self.stop.signal_name, by_peer=run.stopped and not self.stop.requested,
+                           # a stop to change rounds in place (nodes came or went): no checkpoint,
+                           # the state goes on in memory, and this process trains on in the next round
+                           regroup=run.stopped and self.regrouping,
                            bad_samples=self.progress.bad_samples, elapsed_s=round(elapsed, 3),
                            samples_per_s=round(run.samples / training_s, 2) if training_s > 0 else None,
                            loss=run.last_loss, eval=run.last_eval, eval_s=round(run.eval_s, 3),
