@@ -85,6 +85,14 @@ class InstanceType:
     # runs two per core by default (DescribeInstanceTypes VCpuInfo.DefaultThreadsPerCore). So a
     # p4d's 12 vCPUs per A100 are 6 cores, which matters for CPU-bound work such as JPEG decoding.
     threads_per_core: int = 2
+    # How many network nodes EC2's DescribeInstanceTopology lists above an instance of this type, top
+    # down (0: the API reports none for it). EKS labels each node with one
+    # topology.k8s.aws/network-node-layer-<N> per layer (training.contract.network_node_label), and
+    # the platform's HyperNode discovery reads them (k8s_charts/volcano.py). From the EC2 User Guide,
+    # "Amazon EC2 instance topology", prerequisites: 3 network nodes for p3dn.24xlarge, p4d, p4de, p5,
+    # p5e, p5en, g6e, trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge and trn2.48xlarge (4 for p6-b200 and
+    # p6-b300, not in this catalog); p3.8xlarge, g5 and the CPU types are not listed.
+    network_layers: int = 0
 
     @property
     def cores(self) -> int:
@@ -127,16 +135,17 @@ class InstanceType:
         return f"nvidia-{self.accelerator_model.lower()}"
 
 
-def _gpu(name, model, count, mem_gib, vcpus, memory_gib, efa, efa_only=False, blocks=False, rdma=False):
+def _gpu(name, model, count, mem_gib, vcpus, memory_gib, efa, efa_only=False, blocks=False, rdma=False, layers=0):
     return InstanceType(name, Accelerator.NVIDIA, model, count, mem_gib, vcpus, memory_gib, efa, count,
-                        efa_only_secondary=efa_only, capacity_blocks=blocks, efa_rdma=rdma)
+                        efa_only_secondary=efa_only, capacity_blocks=blocks, efa_rdma=rdma, network_layers=layers)
 
 
-def _neuron(name, model, devices, mem_gib, vcpus, memory_gib, efa, cores_per_device, efa_only=False, blocks=False):
+def _neuron(name, model, devices, mem_gib, vcpus, memory_gib, efa, cores_per_device, efa_only=False, blocks=False,
+            layers=0):
     # torchrun starts one process per (logical) NeuronCore. Every Trainium generation takes EFA RDMA.
     return InstanceType(
         name, Accelerator.NEURON, model, devices, mem_gib, vcpus, memory_gib, efa, devices * cores_per_device,
-        efa_only_secondary=efa_only, capacity_blocks=blocks, efa_rdma=True,
+        efa_only_secondary=efa_only, capacity_blocks=blocks, efa_rdma=True, network_layers=layers,
     )
 
 
@@ -148,23 +157,23 @@ CATALOG: dict[str, InstanceType] = {
     t.name: t
     for t in (
         _gpu("p3.8xlarge", "V100", 4, 16, 32, 244, efa=0),
-        _gpu("p3dn.24xlarge", "V100", 8, 32, 96, 768, efa=1),
-        _gpu("p4d.24xlarge", "A100", 8, 40, 96, 1152, efa=4, blocks=True, rdma=True),
-        _gpu("p4de.24xlarge", "A100", 8, 80, 96, 1152, efa=4, rdma=True),
-        _gpu("p5.48xlarge", "H100", 8, 80, 192, 2048, efa=32, efa_only=True, blocks=True, rdma=True),
-        _gpu("p5e.48xlarge", "H200", 8, 141, 192, 2048, efa=32, efa_only=True, blocks=True, rdma=True),
-        _gpu("p5en.48xlarge", "H200", 8, 141, 192, 2048, efa=16, efa_only=True, blocks=True, rdma=True),
+        _gpu("p3dn.24xlarge", "V100", 8, 32, 96, 768, efa=1, layers=3),
+        _gpu("p4d.24xlarge", "A100", 8, 40, 96, 1152, efa=4, blocks=True, rdma=True, layers=3),
+        _gpu("p4de.24xlarge", "A100", 8, 80, 96, 1152, efa=4, rdma=True, layers=3),
+        _gpu("p5.48xlarge", "H100", 8, 80, 192, 2048, efa=32, efa_only=True, blocks=True, rdma=True, layers=3),
+        _gpu("p5e.48xlarge", "H200", 8, 141, 192, 2048, efa=32, efa_only=True, blocks=True, rdma=True, layers=3),
+        _gpu("p5en.48xlarge", "H200", 8, 141, 192, 2048, efa=16, efa_only=True, blocks=True, rdma=True, layers=3),
         _gpu("g5.xlarge", "A10G", 1, 24, 4, 16, efa=0),
         _gpu("g5.12xlarge", "A10G", 4, 24, 48, 192, efa=1),
         _gpu("g5.48xlarge", "A10G", 8, 24, 192, 768, efa=1),
-        _gpu("g6e.48xlarge", "L40S", 8, 48, 192, 1536, efa=4),
+        _gpu("g6e.48xlarge", "L40S", 8, 48, 192, 1536, efa=4, layers=3),
         # Trainium: 2 NeuronCore-v2 per device.
-        _neuron("trn1.2xlarge", "Trainium", 1, 32, 8, 32, efa=0, cores_per_device=2),
-        _neuron("trn1.32xlarge", "Trainium", 16, 32, 128, 512, efa=8, cores_per_device=2, blocks=True),
-        _neuron("trn1n.32xlarge", "Trainium", 16, 32, 128, 512, efa=16, cores_per_device=2),
+        _neuron("trn1.2xlarge", "Trainium", 1, 32, 8, 32, efa=0, cores_per_device=2, layers=3),
+        _neuron("trn1.32xlarge", "Trainium", 16, 32, 128, 512, efa=8, cores_per_device=2, blocks=True, layers=3),
+        _neuron("trn1n.32xlarge", "Trainium", 16, 32, 128, 512, efa=16, cores_per_device=2, layers=3),
         # Trainium2: 8 physical cores per device, 4 logical cores at the default LNC=2.
         _neuron("trn2.48xlarge", "Trainium2", 16, 96, 192, 2048, efa=16, cores_per_device=4, efa_only=True,
-                blocks=True),
+                blocks=True, layers=3),
         _cpu("c5.2xlarge", 8, 16),
         _cpu("c5.4xlarge", 16, 32),
         _cpu("m5.2xlarge", 8, 32),
@@ -173,6 +182,11 @@ CATALOG: dict[str, InstanceType] = {
         _cpu("m7i.2xlarge", 8, 32),
     )
 }
+
+
+# The deepest topology of the catalog: the network-node layers the platform's HyperNode discovery
+# reads (k8s_charts/volcano.py), and so the highest tier a job may ask for.
+NETWORK_LAYERS = max(t.network_layers for t in CATALOG.values())
 
 
 def accelerated_types() -> list[str]:

@@ -1,8 +1,8 @@
 """The typed job spec: what a user writes to run a training job; the charts and the CLI both read it.
 
 It is checked against the platform config and the instance catalog before anything is
-rendered: a node group the platform does not define, more accelerators or EFA than the type
-has, or min > max nodes each give one line naming the field.
+rendered: a node group the platform does not define, more accelerators, EFA or network topology
+than the type has, or min > max nodes each give one line naming the field.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, model_validator
 
 from config import AcceleratedNodeGroupConfig, PlatformConfig
-from config.catalog import Accelerator
+from config.catalog import NETWORK_LAYERS, Accelerator, InstanceType
 from config.fields import IMAGE_HELP, K8S_NAME_HELP, K8S_NAME_PATTERN, K8sName, pinned_image
 from training.config import check_overrides
 from training.contract import (
@@ -64,6 +64,31 @@ class Program(StrictModel):
         return program_arguments(module=self.module, script=self.script, args=self.args)
 
 
+class NetworkTopology(StrictModel):
+    """Where the job's nodes may sit in the network (docs/job-spec.md, "Placement by network topology").
+
+    ``tier`` counts network nodes up from the instances, as Volcano's HyperNode tiers do: 1 = all
+    under one layer-3 network node of EC2's topology (the one the instances hang from), 2 = one
+    layer-2 node, 3 = one layer-1 node (the top). ``hard``: the job's pods wait until they fit
+    within one network node of that tier; ``soft``: the scheduler prefers the lowest tier that
+    fits, and places the job anyway. ``none``: no topology is asked for.
+    """
+
+    mode: Literal["none", "soft", "hard"] = "none"
+    tier: int = Field(default=1, ge=1, le=NETWORK_LAYERS)
+
+    def problems(self, instance: InstanceType) -> list[FieldProblem]:
+        if self.mode == "none":
+            return []
+        if instance.network_layers == 0:
+            return [FieldProblem("network_topology.mode", self.mode, "none",
+                                 f"{instance.name} has no network topology in EC2's DescribeInstanceTopology")]
+        if self.tier > instance.network_layers:
+            return [FieldProblem("network_topology.tier", self.tier, f"1 to {instance.network_layers}",
+                                 f"{instance.name} has {instance.network_layers} network layers")]
+        return []
+
+
 class JobSpec(StrictModel):
     """One elastic training job. Validate with :func:`load_job_spec` (it needs the platform config)."""
 
@@ -94,6 +119,8 @@ class JobSpec(StrictModel):
     # What the trainer does with a straggler it names: report it, or also replace its node (the pods then
     # carry a token that may taint their own node, and nothing else: k8s_charts/own_node.py).
     straggler_policy: Literal["report", "replace"] = "report"
+    # Placement by the network's topology (Volcano's networkTopology); EKS only.
+    network_topology: NetworkTopology = NetworkTopology()
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo):
@@ -155,6 +182,7 @@ class JobSpec(StrictModel):
         elif self.efa and not group.efa_enabled:
             problems.append(FieldProblem("efa", True, "false or null",
                                          f"node group {group.name} is configured without EFA"))
+        problems += self.network_topology.problems(instance)
         return problems
 
     # --- derived from the catalog ------------------------------------------------------------

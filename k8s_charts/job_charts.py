@@ -18,11 +18,14 @@ from k8s_charts.platform_charts import (
 from k8s_charts.pods import (
     ONE_OFF_POD_FIELDS, SAFE_TO_EVICT, TRAINING_POD_FIELDS, PodTemplate, Toleration, lost_node_tolerations,
 )
-from k8s_charts.volcano import Action, Event, LifecyclePolicy, VolcanoJob, VolcanoTask
+from k8s_charts.volcano import (
+    Action, Event, LifecyclePolicy, NetworkTopology, TopologyMode, VolcanoJob, VolcanoTask,
+)
 from training.contract import (
     DATASETS_DIR, FSX_MOUNT, EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_DIVERGED, EXIT_RESTART_JOB, EXIT_STOPPED, LAUNCH_ENVIRONMENT,
     LAUNCHER_ENTRY, LAUNCHER_MOUNT, PLATFORM_APP_DIR, PLATFORM_TUNING, SPOT_NOTICE_ENV, TRAINER_MODULE, cache_dir,
-    client_tls_environment, launch_command, launcher_copy_command, INSTANCE_TYPE_ENV, NODE_NAME_ENV, POD_NAME_ENV,
+    client_tls_environment, launch_command, launcher_copy_command, INSTANCE_TYPE_ENV, NODE_LABELS_FILE_ENV,
+    NODE_LABELS_MODULE, NODE_NAME_ENV, POD_NAME_ENV,
 )
 
 # Kept free on every node for the kubelet, the OS and the platform's DaemonSets.
@@ -243,6 +246,44 @@ def launcher_container(image: str) -> dict:
     }
 
 
+# Where the node-labels init container leaves its file for the agent (contract.NODE_LABELS_FILE_ENV).
+NODE_INFO_VOLUME = {"name": "node-info", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}
+NODE_INFO_MOUNT = "/platform-node"
+NODE_LABELS_FILE = f"{NODE_INFO_MOUNT}/labels.json"
+# The token of that container alone: projected, as the kubelet's own kube-api-access volume is made
+# (the token, the cluster's CA, the namespace), at the path the Kubernetes client reads in a pod.
+NODE_LABELS_TOKEN_VOLUME = {"name": "node-labels-token", "projected": {"sources": [
+    {"serviceAccountToken": {"path": "token", "expirationSeconds": 600}},
+    {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+    {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
+]}}
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def node_labels_container(image: str) -> dict:
+    """An init container that writes its node's network labels for the agent (training/node_labels.py), so
+    that the round's ranks follow the network (training/launcher/topology.py).
+
+    Why: the downward API cannot pass a node's labels (KEP-4742's PodTopologyLabelsAdmission copies only
+    the zone and region), so something reads the Node. This container alone mounts a token, and the
+    trainer's account may get Nodes (NamespacesChart's own-node role) and change only its own node's
+    straggler taint; the trainer, which may run the user's program, gets no token (unless it replaces
+    stragglers). It runs as the pods' user with no capability, and never fails the pod.
+    """
+    return {
+        "name": "node-labels",
+        "image": image,
+        "command": ["python", "-m", NODE_LABELS_MODULE, NODE_LABELS_FILE],
+        "workingDir": PLATFORM_APP_DIR,
+        "env": [{"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "256Mi"}},
+        "volumeMounts": [{"name": NODE_INFO_VOLUME["name"], "mountPath": NODE_INFO_MOUNT},
+                         {"name": NODE_LABELS_TOKEN_VOLUME["name"], "mountPath": SERVICE_ACCOUNT_DIR,
+                          "readOnly": True}],
+        "securityContext": restricted_pod_security()[1],
+    }
+
+
 class _VolcanoJobChart(Chart):
     """A Volcano Job of min..max identical pods, one per node, running torchrun."""
 
@@ -269,6 +310,12 @@ class _VolcanoJobChart(Chart):
         platform_image = config.jobs.launcher_image if own_program else spec.image
         launcher_mounts = [{"name": LAUNCHER_VOLUME["name"], "mountPath": LAUNCHER_MOUNT, "readOnly": True}
                            ] if own_program else []
+        # Ranks in network order where EKS labels the nodes with their network (the catalog's types with one).
+        network_order = instance.network_layers > 0
+        node_info_mounts = [{"name": NODE_INFO_VOLUME["name"], "mountPath": NODE_INFO_MOUNT, "readOnly": True}
+                            ] if network_order else []
+        if network_order:
+            env[NODE_LABELS_FILE_ENV] = NODE_LABELS_FILE
         container = {
             "name": "trainer",
             "image": spec.image,
@@ -276,7 +323,7 @@ class _VolcanoJobChart(Chart):
             "command": pod_command(spec, config, program),
             "env": _downward_env() + _env(env),
             "resources": resources,
-            "volumeMounts": [*mounts, tls_mount, *launcher_mounts],
+            "volumeMounts": [*mounts, tls_mount, *launcher_mounts, *node_info_mounts],
             # No capability: EFA, NVIDIA and Neuron device files are opened through the device
             # plugins' cgroup grants, and EFA's pinned memory is bounded by the node's memlock
             # limit, not by CAP_IPC_LOCK (the same holds for root in a container, which has no
@@ -286,6 +333,8 @@ class _VolcanoJobChart(Chart):
         init_containers = [writable_dirs_container(platform_image, writable_dirs, mounts)] if writable_dirs else []
         if own_program:
             init_containers.append(launcher_container(platform_image))
+        if network_order:
+            init_containers.append(node_labels_container(platform_image))
         skips = {**WORKER_SKIPS, **(WRITABLE_DIRS_SKIPS if writable_dirs else {}), **VOLCANO_LAYOUT_SKIPS}
         pod = PodTemplate(
             labels=labels, annotations=dict(SAFE_TO_EVICT),
@@ -300,7 +349,8 @@ class _VolcanoJobChart(Chart):
             tolerations=[Toleration(instance.taint_key), *lost_node_tolerations(LOST_NODE_TOLERATION_SECONDS)],
             init_containers=init_containers,
             containers=[container],
-            volumes=[*volumes, tls_volume, *([LAUNCHER_VOLUME] if own_program else [])],
+            volumes=[*volumes, tls_volume, *([LAUNCHER_VOLUME] if own_program else []),
+                     *([NODE_INFO_VOLUME, NODE_LABELS_TOKEN_VOLUME] if network_order else [])],
             fields=TRAINING_POD_FIELDS,
         )
         job = VolcanoJob(
@@ -319,6 +369,10 @@ class _VolcanoJobChart(Chart):
             # job_controller_actions.go, v1.15.1): a pod starting meanwhile fails to mount them.
             policies=policies,
             tasks=[VolcanoTask("worker", replicas=spec.max_nodes, min_available=spec.min_nodes, template=pod)],
+            # The job spec's tiers are Volcano's: the platform's HyperNode discovery makes tier N of the
+            # network node N levels above the instances (k8s_charts/volcano.py topology_labels).
+            network_topology=None if spec.network_topology.mode == "none" else NetworkTopology(
+                TopologyMode(spec.network_topology.mode), spec.network_topology.tier),
         )
         job.add_to(self, "job", metadata={"name": name, "namespace": config.jobs.namespace, "labels": labels,
                                          "annotations": checkov_skips(skips)})

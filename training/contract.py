@@ -92,6 +92,25 @@ NODE_GROUP_LABEL = "training-platform/node-group"
 ACCELERATOR_TAINTS = {"nvidia": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}
 ACCELERATOR_TAINT_EFFECT = "NoSchedule"
 
+# The network topology EKS puts on a node (the AWS cloud controller manager, kubernetes/cloud-provider-aws
+# pkg/providers/v1/instances_v2.go getAdditionalLabels, v1.32.0; once, when the node initializes): one
+# label per layer of EC2 DescribeInstanceTopology's NetworkNodes, numbered in the order EC2 lists them,
+# top down. So layer 1 is the top of the network and the highest layer present is the network node the
+# instance hangs from (layer 3 on every type of the catalog; EC2 User Guide, "How Amazon EC2 instance
+# topology works"). The values are per-account hashes: compared only for equality. Types EC2 gives no
+# topology for, and nodes whose lookup failed, carry none.
+NETWORK_NODE_LABEL_PREFIX = "topology.k8s.aws/network-node-layer-"
+
+
+def network_node_label(layer: int) -> str:
+    return f"{NETWORK_NODE_LABEL_PREFIX}{layer}"
+
+
+# A JSON file of the node's labels, written by the training pod's init container: the agent gives its node
+# a rank next to its network neighbours (training/launcher/topology.py). Unset or absent: no network order.
+NODE_LABELS_FILE_ENV = "PLATFORM_NODE_LABELS_FILE"
+NODE_LABELS_MODULE = "training.node_labels"  # python -m it PATH: the init container that writes the file
+
 # The node check (training/node_check, run on every accelerated node by the platform's DaemonSet,
 # k8s_charts/node_check.py): new accelerated nodes register with NODE_CHECK_TAINT (NoSchedule), next to
 # their accelerator's taint, and only the check removes it, once the node passed. The key's prefix is

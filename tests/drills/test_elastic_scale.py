@@ -4,13 +4,15 @@ of benchmarks/elastic_scale.py. Behaviour only; the figures are the benchmark's 
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import replace
 
 import pytest
 
-from tests.drill_harness import events, scale_drill, trainer_args
-from training.contract import PLATFORM_TUNING
+from tests.drill_harness import GLOBAL_BATCH, events, sample_coverage, scale_drill, trainer_args
+from training.contract import EXIT_STOPPED, NODE_LABELS_FILE_ENV, PLATFORM_TUNING, network_node_label
 from trainctl.backends.local_cluster import Agent, LocalEtcd, wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -105,3 +107,47 @@ def test_a_scale_up_keeps_the_survivors_workers_and_loses_no_step(tmp_path, etcd
     finally:
         for agent in agents:
             agent.stop()
+
+
+def _node_ranks(agent: Agent) -> list[dict]:
+    return [json.loads(line) for line in agent.output().splitlines() if line.startswith('{"event": "node_ranks"')]
+
+
+def test_a_newcomer_takes_its_place_in_the_network_order_and_no_sample_is_trained_twice(tmp_path, etcd_module):
+    """On EKS each node's agent reads its network labels (training/node_labels.py, then
+    training/launcher/topology.py). Here c hangs from a's layer-3 network node and b from another, so
+    c's admission puts it at rank 1, between the survivors, and b moves to rank 2: a survivor's rank
+    changes in place. Nothing is lost and no sample is trained twice."""
+    networks = {"a": ("nn-1", "nn-1a", "nn-1a1"), "b": ("nn-2", "nn-2a", "nn-2a1"), "c": ("nn-1", "nn-1a", "nn-1a1")}
+    args = trainer_args(tmp_path, 400_000)
+
+    def agent(name: str) -> Agent:
+        labels = tmp_path / f"{name}-labels.json"
+        labels.write_text(json.dumps({network_node_label(layer + 1): node for layer, node in enumerate(networks[name])}))
+        return Agent(name, etcd_module, "network", tmp_path, args, max_nodes=3, env={NODE_LABELS_FILE_ENV: str(labels)})
+
+    agents = [agent("a")]
+    agents.append(agent("b"))
+    try:
+        wait_until(lambda: len([e for e in events(tmp_path, "step") if e["world_size"] == 2]) >= 10,
+                   "two nodes training", 120, agents)
+        before = {a.name: _node_ranks(a)[-1]["group_rank"] for a in agents}
+        joined_at = time.time()
+        agents.append(agent("c"))
+        wait_until(lambda: len([e for e in events(tmp_path, "step") if e["world_size"] == 3]) >= 10,
+                   "three nodes training", 120, agents)
+        after = {a.name: _node_ranks(a)[-1]["group_rank"] for a in agents}
+        last_of_two = max(e["step"] for e in events(tmp_path, "step") if e["world_size"] == 2)
+        resume = [e for e in events(tmp_path, "resume") if e["time"] > joined_at]
+        for a in agents:
+            a.terminate()
+        assert [a.wait(timeout=120) for a in agents] == [EXIT_STOPPED] * 3, [a.output()[-2000:] for a in agents]
+    finally:
+        for a in agents:
+            a.stop()
+    assert before == {"a": 0, "b": 1} and after == {"a": 0, "c": 1, "b": 2}
+    assert all(re.search(r"joined round \d+ in place", a.output()) for a in agents[:2])  # their workers stayed up
+    assert resume and resume[0]["step"] >= last_of_two and resume[0]["checkpoint"] is None  # nothing lost
+    steps, seen = sample_coverage(tmp_path, 400_000, 1)
+    counts = seen[0]
+    assert set(counts.values()) == {1} and len(counts) == steps * GLOBAL_BATCH  # each counted step's samples, once

@@ -297,3 +297,45 @@ def test_a_node_created_while_etcd_is_down_waits_for_it(tmp_path):
         node.shutdown()
     finally:
         etcd.__exit__()
+
+
+def test_ranks_follow_the_nodes_network_and_a_newcomer_takes_its_place_in_it(etcd_module, tmp_path, monkeypatch):
+    """Nodes whose pods read their node's EKS labels get ranks in network order (training/launcher/
+    topology.py): the first round sorts them; an admission puts the newcomer next to its network
+    neighbours and turns the ring so that rank 0 keeps its node."""
+    import json
+
+    from tests.unit.test_network_order import DATA, NETWORK
+    from training.contract import NODE_LABELS_FILE_ENV
+    from training.launcher.topology import network_order
+
+    def labelled(i: int) -> EtcdRendezvousHandler:
+        path = tmp_path / f"labels-{i}.json"
+        path.write_text(json.dumps(DATA["nodes"][i]["labels"]))
+        monkeypatch.setenv(NODE_LABELS_FILE_ENV, str(path))
+        return handler(etcd_module, "network", min_nodes=4, max_nodes=5, scale_up_after_s=0, last_call_timeout=1)
+
+    names = [node["name"] for node in DATA["nodes"]]
+    # The newcomer's layer-3 network node is one of the first four's, and not the first in order.
+    first_four = names[:4]
+    newcomer = next(i for i, name in enumerate(names[4:], 4)
+                    if network_order([*first_four, name], NETWORK.get).index(name) in (1, 2, 3))
+    nodes = [labelled(i) for i in range(4)]
+    late = labelled(newcomer)
+    try:
+        infos = join_all(nodes)
+        ranked = [names[i] for i in sorted(range(4), key=lambda i: infos[i].rank)]
+        assert ranked == network_order(first_four, NETWORK.get) != first_four
+        joined: list = []
+        thread = threading.Thread(target=lambda: joined.append(late.next_rendezvous()))
+        thread.start()
+        until(lambda: all([node.num_nodes_waiting() for node in nodes]), 10, "the admission")  # each agent's check
+        again = join_all(nodes)
+        thread.join(timeout=30)
+        ranks = {names[i]: info.rank for i, info in enumerate(again)} | {names[newcomer]: joined[0].rank}
+        order = sorted(ranks, key=ranks.get)
+        assert order == network_order([*ranked, names[newcomer]], NETWORK.get, first=ranked[0])
+        assert order[0] == ranked[0] and order.index(names[newcomer]) not in (0, 4)
+    finally:
+        for node in [*nodes, late]:
+            node.shutdown()

@@ -15,6 +15,7 @@ from config.catalog import (
     CATALOG,
     EFA_RESOURCE,
     NEURON_DEVICE_RESOURCE,
+    NETWORK_LAYERS,
     NVIDIA_GPU_RESOURCE,
     Accelerator,
     lookup,
@@ -69,6 +70,20 @@ def test_efa_resource_only_where_efa_exists():
 # Types whose EFA reads and writes accelerator memory directly (FI_EFA_USE_DEVICE_RDMA on their pods).
 EFA_RDMA = {"p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge",
             "trn1.2xlarge", "trn1.32xlarge", "trn1n.32xlarge", "trn2.48xlarge"}
+
+
+# Types EC2's DescribeInstanceTopology lists three network nodes above (EC2 User Guide, "Amazon EC2
+# instance topology", prerequisites); p3.8xlarge, g5 and the CPU types are not listed.
+NETWORK_TOPOLOGY = {"p3dn.24xlarge", "p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge",
+                    "g6e.48xlarge", "trn1.2xlarge", "trn1.32xlarge", "trn1n.32xlarge", "trn2.48xlarge"}
+
+
+def test_network_layers_are_ec2s_and_every_type_has_all_of_them_or_none():
+    assert {name for name, t in CATALOG.items() if t.network_layers} == NETWORK_TOPOLOGY
+    # Volcano's label discovery leaves a node out of every tier from its first missing label up
+    # (pkg/controllers/hypernode/discovery/label/label.go generateHyperNodeInfo, v1.15.1): a type with
+    # fewer layers than the discovery lists would be in no HyperNode at all.
+    assert {t.network_layers for t in CATALOG.values()} == {0, NETWORK_LAYERS} and NETWORK_LAYERS == 3
 
 
 def test_efa_rdma_is_a_fact_of_the_known_instances():

@@ -37,13 +37,19 @@ PROGRAM_JOB = {
     "program": {"module": "torchtitan.train", "args": ["--job.config_file=/fsx/configs/llama3_8b.toml"]},
     "env": {"HF_HOME": "/fsx/cache/huggingface"},
 }
+# A job that must sit under one layer-2 network node (docs/job-spec.md, "Placement by network topology"),
+# rendered beside the examples for the same checks: its Job carries spec.networkTopology.
+TOPOLOGY_JOB = {
+    "name": "network-hard", "image": "123456789012.dkr.ecr.us-west-2.amazonaws.com/trainer:gpu-0.1.0",
+    "node_group": "p4d", "min_nodes": 2, "max_nodes": 4, "network_topology": {"mode": "hard", "tier": 2},
+}
 
 
 def render(config=CONFIG, specs=None, volume=VOLUME) -> dict[str, list[dict]]:
     app = App()
     render_platform(app, config, volume)
     specs = specs if specs is not None else [*(load_job_spec(p, config) for p in sorted(EXAMPLES.glob("*.yaml"))),
-                                              parse_job_spec(PROGRAM_JOB, config)]
+                                              parse_job_spec(PROGRAM_JOB, config), parse_job_spec(TOPOLOGY_JOB, config)]
     for spec in specs:
         render_job(app, config, spec)
     if specs:
@@ -89,9 +95,9 @@ def test_built_in_kinds_pass_kubernetes_validate_strict(obj):
 
 
 @functools.cache
-def _crd_validator(name: str) -> jsonschema.protocols.Validator:
+def _crd_validator(name: str, crds: Path = CRDS) -> jsonschema.protocols.Validator:
     """A CRD's schema, checked once and compiled once: each CRD is thousands of YAML lines (seconds a read)."""
-    schema = _crd_schema(CRDS / name)
+    schema = _crd_schema(crds / name)
     validator = jsonschema.validators.validator_for(schema)
     validator.check_schema(schema)
     return validator(schema)
@@ -158,7 +164,7 @@ def test_a_program_job_runs_its_program_under_the_injected_launcher_in_its_own_i
     env = {e["name"]: e.get("value") for e in trainer["env"]}
     assert env["PLATFORM_CHECKPOINT_DIR"] == "/fsx/checkpoints/own-program" and "PYTHONPATH" not in env
     assert env["HF_HOME"] == "/fsx/cache/huggingface"
-    writable, launcher = pod["initContainers"]
+    writable, launcher, _node_labels = pod["initContainers"]
     assert writable["image"] == launcher["image"] == CONFIG.jobs.launcher_image  # the platform's image, not theirs
     assert launcher["command"] == launcher_copy_command("/platform-launcher") and launcher["workingDir"] == "/app"
     assert launcher["volumeMounts"] == [{"name": "platform-launcher", "mountPath": "/platform-launcher"}]
@@ -166,7 +172,8 @@ def test_a_program_job_runs_its_program_under_the_injected_launcher_in_its_own_i
     assert {"name": "platform-launcher", "emptyDir": {"sizeLimit": "64Mi"}} in pod["volumes"]
     check = container(the_job(RENDERED, "own-program-nccl-check"))
     assert check["image"] == CONFIG.jobs.launcher_image and "allreduce-bench" in check["command"]
-    assert not the_job(RENDERED, "own-program-nccl-check")["spec"]["tasks"][0]["template"]["spec"].get("initContainers")
+    check_pod = the_job(RENDERED, "own-program-nccl-check")["spec"]["tasks"][0]["template"]["spec"]
+    assert [init["name"] for init in check_pod["initContainers"]] == ["node-labels"]  # no launcher, no directories
 
 
 def test_a_program_job_without_a_launcher_image_or_with_trainer_fields_is_one_line_each():

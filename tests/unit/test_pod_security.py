@@ -149,8 +149,22 @@ def test_every_pod_meets_its_namespaces_enforced_level_and_only_the_node_check_m
         assert level_violations(pod, levels[namespace]) == [], name
         if pod["automountServiceAccountToken"]:
             with_token.append(name)
-    # It patches its own node (k8s_charts/own_node.py); no other pod of these manifests calls the API.
+    # It patches its own node (k8s_charts/own_node.py); no other pod of these manifests calls the API
+    # from its main container (the training pods' node-labels init container reads its Node: below).
     assert sorted(with_token) == ["node-check-neuron", "node-check-nvidia"]
+
+
+def test_in_a_training_pod_only_the_node_labels_init_container_mounts_a_token():
+    jobs = [o for objects in RENDERED.values() for o in objects if o["kind"] == "Job" and "tasks" in o["spec"]]
+    assert len(jobs) >= 6
+    for job in jobs:
+        pod = job["spec"]["tasks"][0]["template"]["spec"]
+        tokens = {v["name"] for v in pod["volumes"]
+                  if any("serviceAccountToken" in source for source in v.get("projected", {}).get("sources", []))}
+        mounting = [c["name"] for c in [*pod.get("initContainers", []), *pod["containers"]]
+                    if any(m["name"] in tokens for m in c.get("volumeMounts", []))]
+        assert mounting == ["node-labels"], job["metadata"]["name"]  # every example's type has a topology
+        assert pod["automountServiceAccountToken"] is False, job["metadata"]["name"]
 
 
 @pytest.mark.parametrize("name", ["resnet50-imagenet", "resnet50-imagenet-nccl-check", "bert-large-mlm",
@@ -178,7 +192,7 @@ def test_the_launcher_copy_runs_as_the_trainer_user_without_capabilities_and_is_
 
 def test_the_job_setup_hands_the_jobs_own_directories_to_the_trainer_user():
     pod = the_job(RENDERED, "resnet50-imagenet")["spec"]["tasks"][0]["template"]["spec"]
-    (init,) = pod["initContainers"]
+    init, _node_labels = pod["initContainers"]
     assert init["image"] == container(the_job(RENDERED, "resnet50-imagenet"))["image"]
     assert init["command"][:7] == ["install", "-d", "-o", str(TRAINER_UID), "-g", str(TRAINER_UID), "-m"]
     assert set(init["command"][8:]) == {"/fsx/checkpoints/resnet50-imagenet", "/fsx/staging/resnet50-imagenet",

@@ -68,6 +68,7 @@ from training.launcher.etcd_v3 import (
     EtcdClient, EtcdUnavailable, KeyValue, op_delete, op_put, op_range, unchanged_since,
 )
 from training.contract import PROGRESS_FILE_ENV, STOP_BUDGET_ENV, RendezvousTuning
+from training.launcher.topology import network_order, this_node_network
 
 log = logging.getLogger(__name__)
 BACKEND_NAME = "platform-etcd"
@@ -202,6 +203,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._doubting = False  # members are missing and the verdict waits (logged once)
         # Whether the workers can still stop together with a checkpoint (see stop_gracefully).
         self._graceful = True
+        self._network = this_node_network()  # in this node's record: the round's rank order follows it
 
     @classmethod
     def create(cls, params: RendezvousParameters, warm_up: Callable[[], None] | None = None
@@ -409,10 +411,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def _finish_round(self, snap: Snapshot) -> None:
         state = snap.state
-        # Survivors keep their order (rank 0 stays where the state is warm); newcomers follow.
+        # Survivors keep their order (rank 0 stays where the state is warm); newcomers follow. Then the
+        # nodes whose network is known are put in network order, turned so that rank 0 stays (topology.py).
         order = {n: i for i, n in enumerate(state.previous)}
         members = sorted(state.joining, key=lambda j: (order.get(j[0], len(order)), state.joining.index(j)))
-        done = replace(state, status="running", members=members[:self._max], joining=[])
+        members = members[:self._max]
+        members = network_order(members, lambda j: tuple(snap.live.get(j[0], {}).get("network", ())),
+                                first=members[0] if state.previous else None)
+        done = replace(state, status="running", members=members, joining=[])
         cleanup = [op_delete(self._key(f"store/{state.previous_id}/"), prefix=True)] if state.previous_id else []
         if self._write(snap, done, cleanup):
             log.info("round %s of the rendezvous starts with %d node(s)", done.id, len(done.members))
@@ -507,7 +513,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _grant(self) -> None:
         with self._lease_lock:
             lease, granted = self._client.lease_grant(max(1, round(self._tuning.lease_ttl)))
-            record = json.dumps({"addr": self._addr, "ready": True, "since": time.time()})
+            record = json.dumps({"addr": self._addr, "ready": True, "since": time.time(),
+                                 **({"network": list(self._network)} if self._network else {})})
             self._client.put(self._key(f"node/{self._node}"), record, lease=lease)
             if self._lease:  # a lease held before is gone
                 self._lease_lost_at = time.monotonic()
