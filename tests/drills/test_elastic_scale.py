@@ -124,7 +124,9 @@ def test_a_newcomer_takes_its_place_in_the_network_order_and_no_sample_is_traine
     def agent(name: str) -> Agent:
         labels = tmp_path / f"{name}-labels.json"
         labels.write_text(json.dumps({network_node_label(layer + 1): node for layer, node in enumerate(networks[name])}))
-        return Agent(name, etcd_module, "network", tmp_path, args, max_nodes=3, env={NODE_LABELS_FILE_ENV: str(labels)})
+        # min_nodes 2: a and b make the first round together, in network order, whichever starts faster.
+        return Agent(name, etcd_module, "network", tmp_path, args, min_nodes=2, max_nodes=3,
+                     env={NODE_LABELS_FILE_ENV: str(labels)})
 
     agents = [agent("a")]
     agents.append(agent("b"))

@@ -325,7 +325,8 @@ def test_ranks_follow_the_nodes_network_and_a_newcomer_takes_its_place_in_it(etc
     try:
         infos = join_all(nodes)
         ranked = [names[i] for i in sorted(range(4), key=lambda i: infos[i].rank)]
-        assert ranked == network_order(first_four, NETWORK.get) != first_four
+        # Nodes under one network node keep the order they joined in, which the threads' race decides.
+        assert [NETWORK[n] for n in ranked] == sorted(NETWORK[n] for n in first_four) != [NETWORK[n] for n in first_four]
         joined: list = []
         thread = threading.Thread(target=lambda: joined.append(late.next_rendezvous()))
         thread.start()
