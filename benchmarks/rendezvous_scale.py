@@ -43,23 +43,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.contract import PLATFORM_TUNING  # after the path insert: run as a script
+from tests.drill_harness import ETCD_COUNTERS, etcd_metrics  # after the path insert: run as a script
+from training.contract import PLATFORM_TUNING
 
 MONITOR_INTERVAL_S = 0.1
-ETCD_COUNTERS = ("etcd_server_proposals_committed_total", "etcd_mvcc_range_total", "process_cpu_seconds_total",
-                 "process_resident_memory_bytes", "etcd_network_client_grpc_sent_bytes_total")
-
-
-def etcd_counters(endpoint: str) -> dict[str, float]:
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split(" ")[0].split("{")[0]
-        if name in ETCD_COUNTERS and not line.startswith("#"):
-            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return found
+MEASURED = (*ETCD_COUNTERS, "process_resident_memory_bytes", "etcd_network_client_grpc_sent_bytes_total")
 
 
 def _assign_ranks(store, rank: int, world_size: int) -> None:
@@ -211,10 +199,10 @@ class Run:
             result.full_world_s = round(max(t for t, _ in self.rounds.values()) - reference, 2)
             self.drain(time.time() + 5)  # the first checks after the round
             self.lags.clear()
-            before = [etcd_counters(m) for m in leader_metrics]
+            before = [etcd_metrics(m, MEASURED) for m in leader_metrics]
             began = time.time()
             self.drain(began + self.steady_s)
-            after = [etcd_counters(m) for m in leader_metrics]
+            after = [etcd_metrics(m, MEASURED) for m in leader_metrics]
             span = time.time() - began
 
             def delta(name: str, pick=max) -> float:

@@ -321,14 +321,20 @@ def agent_warnings(agents: list[Agent]) -> list[str]:
     return lines
 
 
-def etcd_metrics(endpoint: str) -> dict[str, float]:
-    """A few counters of etcd's Prometheus endpoint (same port as the client API)."""
+ETCD_COUNTERS = ("etcd_server_proposals_committed_total", "etcd_mvcc_range_total", "process_cpu_seconds_total")
+
+
+def etcd_metrics(endpoint: str, names: tuple[str, ...] = ETCD_COUNTERS) -> dict[str, float]:
+    """Some of etcd's Prometheus metrics (same port as the client API), each summed over its labels."""
     import urllib.request
 
-    wanted = {"etcd_server_proposals_committed_total", "etcd_mvcc_range_total", "process_cpu_seconds_total"}
-    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
-    return {name: float(value) for name, value in (line.split() for line in text.splitlines()
-                                                   if line.split(" ")[0] in wanted)}
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split(" ")[0].split("{")[0]
+        if name in names and not line.startswith("#"):
+            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
 
 
 def scale_drill(work: Path, agents: int, spread_s: float = 0.0, steady_s: float = 30.0, kill: bool = True,
