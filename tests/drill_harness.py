@@ -40,6 +40,13 @@ def trainer_args(work: Path, samples: int, epochs: int = 1) -> list[str]:
     ]
 
 
+def paced(steps_per_s: float, nodes: int) -> list[str]:
+    """The trainer override that holds a job of ``nodes`` single-rank nodes to ``steps_per_s``
+    (data.synthetic_samples_per_s): a drill sized from its plan then lasts as planned on a fast
+    machine and a slow one alike, and leaves the cores it does not need idle."""
+    return [f"--data.synthetic_samples_per_s={steps_per_s * GLOBAL_BATCH / nodes:g}"]
+
+
 def events(work: Path, kind: str | None = None) -> list[dict]:
     found = read_events(work / "metrics.jsonl")
     return [e for e in found if kind is None or e["event"] == kind]
@@ -169,19 +176,20 @@ def _stop(agents: list[Agent], result: DrillResult) -> None:
         result.outputs[agent.name] = agent.output()
 
 
-def etcd_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000_000, nodes: int = 2) -> DrillResult:
+def etcd_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000_000, nodes: int = 2,
+               steps_per_s: float | None = None) -> DrillResult:
     """Two nodes train while etcd goes away and comes back as ``plan`` says.
 
     ``plan`` items: ("down", seconds) etcd killed, back on its data after that long;
     ("restart", 0) killed and restarted at once on its data; ("empty", 0) restarted without its
-    data; ("wait", seconds) nothing happens.
+    data; ("wait", seconds) nothing happens. ``steps_per_s``: the job's pace (:func:`paced`).
     """
     work.mkdir(parents=True, exist_ok=True)
     result = DrillResult(work)
     etcd = LocalEtcd()
     endpoint = etcd.start()
-    agents = [Agent(name, endpoint, "etcd-drill", work, trainer_args(work, samples), max_restarts=20)
-              for name in "ab"[:nodes]]
+    args = trainer_args(work, samples) + (paced(steps_per_s, nodes) if steps_per_s else [])
+    agents = [Agent(name, endpoint, "etcd-drill", work, args, max_restarts=20) for name in "ab"[:nodes]]
     try:
         wait_until(lambda: _training_at_full_size(work, nodes), "training", 120, agents)
         for kind, seconds in plan:
@@ -204,20 +212,22 @@ def etcd_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000_0
     return result
 
 
-def quorum_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000_000, nodes: int = 4) -> DrillResult:
+def quorum_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000_000, nodes: int = 4,
+                 steps_per_s: float | None = None) -> DrillResult:
     """``nodes`` nodes train against three etcd members while members go away as ``plan`` says.
 
     ``plan`` items: ("leader", seconds) or ("follower", seconds): that member is SIGKILLed and
     comes back on its data after that long, as a StatefulSet pod rescheduled onto its volume
     does; ("wait", seconds) nothing happens. The agents are given every member's address, as
-    the pods are.
+    the pods are. ``steps_per_s``: the job's pace (:func:`paced`).
     """
     work.mkdir(parents=True, exist_ok=True)
     result = DrillResult(work)
     cluster = LocalEtcdCluster(3)
     endpoints = cluster.__enter__()
-    agents = [Agent(f"n{i}", endpoints, "quorum-drill", work, trainer_args(work, samples), min_nodes=nodes,
-                    max_nodes=nodes, max_restarts=20) for i in range(nodes)]
+    args = trainer_args(work, samples) + (paced(steps_per_s, nodes) if steps_per_s else [])
+    agents = [Agent(f"n{i}", endpoints, "quorum-drill", work, args, min_nodes=nodes, max_nodes=nodes, max_restarts=20)
+              for i in range(nodes)]
     try:
         wait_until(lambda: _training_at_full_size(work, nodes), "training", 180, agents)
         for kind, seconds in plan:

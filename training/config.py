@@ -58,6 +58,11 @@ class DataSection(StrictModel):
     kind: Literal["synthetic", "imagefolder", "mlm_shards"] = "synthetic"
     path: str | None = None
     synthetic_samples: int = Field(1_281_167, gt=0)
+    # synthetic: at most this many samples a second from each process that reads (the trainer, or
+    # each loader worker), as from storage of that bandwidth. A run slower than the cap is not
+    # slowed; a faster one steps at the cap whatever the machine, so a drill or benchmark lasts as
+    # long as planned and leaves the cores it does not need idle. None: as fast as generated.
+    synthetic_samples_per_s: float | None = Field(None, gt=0)
     seq_len: int = Field(128, ge=8)
     mask_probability: float = Field(0.15, gt=0, lt=1)
     num_workers: int = Field(8, ge=0)
@@ -80,6 +85,9 @@ class DataSection(StrictModel):
     def _path_when_read_from_disk(self):
         if self.kind != "synthetic" and not self.path:
             raise FieldProblem("path", self.path, f"a directory on the shared file system for kind {self.kind}")
+        if self.kind != "synthetic" and self.synthetic_samples_per_s is not None:
+            raise FieldProblem("synthetic_samples_per_s", self.synthetic_samples_per_s,
+                               f"unset for kind {self.kind} (it paces synthetic data only)")
         return self
 
 

@@ -67,6 +67,9 @@ def test_override_syntax():
         (None, ["--checkpoint.if_unusable=wipe"],
          "checkpoint.if_unusable: got \"wipe\"; allowed: 'fail' or 'start_fresh'"),
         (None, ["--data.max_bad_samples=-1"], "data.max_bad_samples: got -1; allowed: greater than or equal to 0"),
+        (None, ["--data.kind=imagefolder", "--data.path=/fsx/x", "--data.synthetic_samples_per_s=800"],
+         "data.synthetic_samples_per_s: got 800.0; allowed: unset for kind imagefolder"),
+        (None, ["--data.synthetic_samples_per_s=0"], "data.synthetic_samples_per_s: got 0; allowed: greater than 0"),
         # A value that is not YAML used to end in PyYAML's multi-line parser traceback.
         (None, ["--optim.betas=[0.9"], "optim.betas: got \"[0.9\", which does not parse (expected ',' or ']', but got "
                                       "'<stream end>'); allowed: a number, true/false, a string, or a list such as "

@@ -7,9 +7,11 @@ import pytest
 import torch
 from PIL import Image
 
+from training.config import TrainConfig
+from training.data import datasets
 from training.data.datasets import (
-    CLS_ID, MASK_ID, PAD_ID, SEP_ID, DataError, ImageFolder, MaskedLMShards, SyntheticImages, attention_mask,
-    mask_tokens,
+    CLS_ID, MASK_ID, PAD_ID, SEP_ID, DataError, ImageFolder, MaskedLMShards, Paced, SyntheticImages, attention_mask,
+    build_dataset, mask_tokens,
 )
 from training.data.sampler import SampleKey
 
@@ -173,3 +175,52 @@ def test_the_trainer_keeps_attention_off_the_padding_of_its_shards(tmp_path, mon
         if mask is not None:
             assert torch.equal(~mask, padding)
     assert sum(mask is not None for _, _, mask in seen) >= 2  # 4 of the 8 rows are padded: 2 micro-batches at least
+
+
+class FakeClock:
+    """time.monotonic and time.sleep of datasets.py on a clock the test moves: the pace's waits, exactly."""
+
+    def __init__(self):
+        self.now, self.slept = 100.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_paced_synthetic_data_keeps_to_its_rate_with_a_bounded_read_ahead(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(datasets, "time", clock)
+    # 128 samples/s: slots of 1/128 s, exact in binary like the clock's times, so the waits compare exactly.
+    config = TrainConfig.model_validate({"model": {"name": "mlp", "image_size": 16, "num_classes": 4},
+                                         "data": {"synthetic_samples": 64, "synthetic_samples_per_s": 128}})
+    paced = build_dataset(config)
+    assert isinstance(paced, Paced) and len(paced) == 64
+    plain = SyntheticImages(64, 4, 16)
+    slot = 1 / 128
+    at_once = round(Paced.CATCH_UP_S * 128) + 1  # the read-ahead buffer after a pause, and the read due now
+
+    def read(count: int) -> None:
+        for i in range(count):
+            image, _ = paced[SampleKey(i, 1.0, seed=0)]
+            assert torch.equal(image, plain[SampleKey(i, 1.0, seed=0)][0])  # the same samples, only later
+
+    read(at_once + 2)  # the buffer at once, then one sample a slot
+    assert clock.slept == [slot, slot]
+    clock.now += slot / 2  # a step's compute: half of the next slot has passed
+    read(1)
+    assert clock.slept[-1] == slot / 2
+    clock.now += 5.0  # a checkpoint: no more than the buffer comes at once after it
+    clock.slept.clear()
+    read(at_once + 1)
+    assert clock.slept == [slot]
+    assert paced.placeholder()[0].shape == (16, 16, 3)
+
+
+def test_unpaced_synthetic_data_is_the_dataset_itself():
+    config = TrainConfig.model_validate({"model": {"name": "mlp", "image_size": 16, "num_classes": 4},
+                                         "data": {"synthetic_samples": 64}})
+    assert type(build_dataset(config)) is SyntheticImages

@@ -7,6 +7,7 @@ seed, so a sample looks the same whichever rank reads it, before or after a rest
 from __future__ import annotations
 
 import io
+import time
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -306,6 +307,35 @@ class Keyed(Dataset):
         return inputs, target, key.index, key.weight, ""
 
 
+class Paced(Dataset):
+    """``inner``'s samples at most ``per_s`` a second in the process that reads them, as storage of
+    that bandwidth with a read-ahead buffer serves them: each read takes the next slot, and slots
+    left unused while the process computed (up to ``CATCH_UP_S`` of them) are read at once, so a
+    step costs about max(compute, batch / per_s). Each loader worker holds its own copy and pace."""
+
+    # The read-ahead: after a pause (a step's compute, a checkpoint, a regroup) at most this much
+    # reading is done already; a longer pause is not made up for by a longer burst.
+    CATCH_UP_S = 0.25
+
+    def __init__(self, inner: Dataset, per_s: float):
+        self.inner, self.interval = inner, 1.0 / per_s
+        self.next_slot = float("-inf")
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def placeholder(self) -> tuple[Any, Any]:
+        return self.inner.placeholder()
+
+    def __getitem__(self, key: SampleKey) -> tuple[Any, Any]:
+        now = time.monotonic()
+        slot = max(self.next_slot, now - self.CATCH_UP_S)
+        if slot > now:
+            time.sleep(slot - now)
+        self.next_slot = slot + self.interval
+        return self.inner[key]
+
+
 def build_dataset(config: TrainConfig, vocab_size: int | None = None, encoded: bool = False) -> Dataset:
     """The configured dataset; ``encoded``: JPEGs stay encoded for a device-side decoder."""
     data, model = config.data, config.model
@@ -314,8 +344,10 @@ def build_dataset(config: TrainConfig, vocab_size: int | None = None, encoded: b
     if data.kind == "mlm_shards":
         return MaskedLMShards(data.path, data.seq_len, vocab_size, data.mask_probability)
     if model.is_masked_lm:
-        return SyntheticTokens(data.synthetic_samples, data.seq_len, vocab_size, data.mask_probability)
-    return SyntheticImages(data.synthetic_samples, model.num_classes, model.image_size, config.train.seed)
+        synthetic = SyntheticTokens(data.synthetic_samples, data.seq_len, vocab_size, data.mask_probability)
+    else:
+        synthetic = SyntheticImages(data.synthetic_samples, model.num_classes, model.image_size, config.train.seed)
+    return Paced(synthetic, data.synthetic_samples_per_s) if data.synthetic_samples_per_s else synthetic
 
 
 def build_loader(dataset: Dataset, sampler: MicroBatchSampler, config: TrainConfig, pin_memory: bool,
