@@ -58,7 +58,7 @@ class DataSection(StrictModel):
     kind: Literal["synthetic", "imagefolder", "mlm_shards"] = "synthetic"
     path: str | None = None
     synthetic_samples: int = Field(1_281_167, gt=0)
-    # synthetic: at most this many samples a second from each process that reads (the trainer, or
+    # synthetic: at most this many training samples a second from each process that reads (the trainer, or
     # each loader worker), as from storage of that bandwidth. A run slower than the cap is not
     # slowed; a faster one steps at the cap whatever the machine, so a drill or benchmark lasts as
     # long as planned and leaves the cores it does not need idle. None: as fast as generated.
