@@ -40,11 +40,11 @@ def trainer_args(work: Path, samples: int, epochs: int = 1) -> list[str]:
     ]
 
 
-def paced(steps_per_s: float, nodes: int) -> list[str]:
+def paced(steps_per_s: float | None, nodes: int) -> list[str]:
     """The trainer override that holds a job of ``nodes`` single-rank nodes to ``steps_per_s``
-    (data.synthetic_samples_per_s): a drill sized from its plan then lasts as planned on a fast
-    machine and a slow one alike, and leaves the cores it does not need idle."""
-    return [f"--data.synthetic_samples_per_s={steps_per_s * GLOBAL_BATCH / nodes:g}"]
+    (data.synthetic_samples_per_s), none for None: a drill sized from its plan then lasts as planned
+    on a fast machine and a slow one alike, and leaves the cores it does not need idle."""
+    return [f"--data.synthetic_samples_per_s={steps_per_s * GLOBAL_BATCH / nodes:g}"] if steps_per_s else []
 
 
 def events(work: Path, kind: str | None = None) -> list[dict]:
@@ -188,7 +188,7 @@ def etcd_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000_0
     result = DrillResult(work)
     etcd = LocalEtcd()
     endpoint = etcd.start()
-    args = trainer_args(work, samples) + (paced(steps_per_s, nodes) if steps_per_s else [])
+    args = trainer_args(work, samples) + paced(steps_per_s, nodes)
     agents = [Agent(name, endpoint, "etcd-drill", work, args, max_restarts=20) for name in "ab"[:nodes]]
     try:
         wait_until(lambda: _training_at_full_size(work, nodes), "training", 120, agents)
@@ -225,7 +225,7 @@ def quorum_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000
     result = DrillResult(work)
     cluster = LocalEtcdCluster(3)
     endpoints = cluster.__enter__()
-    args = trainer_args(work, samples) + (paced(steps_per_s, nodes) if steps_per_s else [])
+    args = trainer_args(work, samples) + paced(steps_per_s, nodes)
     agents = [Agent(f"n{i}", endpoints, "quorum-drill", work, args, min_nodes=nodes, max_nodes=nodes, max_restarts=20)
               for i in range(nodes)]
     try:

@@ -85,6 +85,10 @@ class DataSection(StrictModel):
     def _path_when_read_from_disk(self):
         if self.kind != "synthetic" and not self.path:
             raise FieldProblem("path", self.path, f"a directory on the shared file system for kind {self.kind}")
+        return self
+
+    @model_validator(mode="after")
+    def _pace_for_synthetic_data_only(self):
         if self.kind != "synthetic" and self.synthetic_samples_per_s is not None:
             raise FieldProblem("synthetic_samples_per_s", self.synthetic_samples_per_s,
                                f"unset for kind {self.kind} (it paces synthetic data only)")

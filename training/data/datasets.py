@@ -7,8 +7,8 @@ seed, so a sample looks the same whichever rank reads it, before or after a rest
 from __future__ import annotations
 
 import io
-import time
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
