@@ -19,6 +19,8 @@ from stacks import build_platform
 from stacks.app_factory import cli_context
 from trainctl.backends.local_cluster import LocalEtcd
 
+pytest_plugins = ["tests.module_times"]
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "config" / "example.yaml"
 # The fixed account whose AZ lookup is pre-seeded in cdk.context.json.
