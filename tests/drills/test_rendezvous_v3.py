@@ -7,6 +7,7 @@ behaviour with real processes is in test_elastic_scale.py.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -18,10 +19,10 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.utils.store import barrier
 
 from tests.drill_harness import etcd_metrics
-from training.launcher.etcd_v3 import EtcdClient, EtcdUnavailable, op_put, unchanged_since
+from training.launcher.etcd_v3 import EtcdClient, EtcdUnavailable, LeaseNotFound, op_put, unchanged_since
 from training.contract import PLATFORM_TUNING
 from trainctl.backends.local_cluster import LocalEtcd, free_port
-from training.launcher.rendezvous import LEASE_DOUBT_TTLS, EtcdRendezvousHandler, EtcdStore, Outage
+from training.launcher.rendezvous import LEASE_DOUBT_TTLS, EtcdRendezvousHandler, EtcdStore, Outage, Rates
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,6 +90,38 @@ def test_a_key_on_a_lease_lives_while_it_is_renewed_and_goes_when_it_is_not(etcd
     assert time.monotonic() - stopped < 3
 
 
+def test_a_lease_that_ended_before_its_key_was_written_is_replaced_and_the_heartbeat_goes_on(etcd_module):
+    """With 64 simulated agents on a loaded machine, etcd answered a node's put later than its new lease's
+    1 s TTL: the put was refused as NotFound, the client failed on the reply and the heartbeat thread died,
+    leaving a live agent without a key. Now the write names the ended lease and a new one is granted."""
+    client = EtcdClient(etcd_module)
+    lease, _ = client.lease_grant(1)
+    client.lease_revoke(lease)
+    with pytest.raises(LeaseNotFound, match=f"lease {lease}"):
+        client.put("/t/late", "x", lease=lease)
+    node = handler(etcd_module, "late-lease")
+    grant = node._client.lease_grant
+    ended: list[int] = []
+
+    def slow_grant(ttl):  # the first lease ends before the put, as under that load
+        lease, granted = grant(ttl)
+        if not ended:
+            ended.append(lease)
+            node._client.lease_revoke(lease)
+        return lease, granted
+
+    node._client.lease_grant = slow_grant
+    try:
+        node._register()
+        assert node._lease and node._lease != ended[0]
+        assert node._node in node._snapshot().live
+        node._client.lease_revoke(node._lease)  # and once running: the heartbeat re-grants, it does not die
+        until(lambda: node._heartbeat.is_alive() and node._node in (node._snapshot() or node._last_snapshot).live,
+              5, "the node's key back on a new lease")
+    finally:
+        node.shutdown()
+
+
 def test_an_unreachable_etcd_is_one_kind_of_error_and_fast():
     client = EtcdClient(f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}", timeout_s=1)
     started = time.monotonic()
@@ -141,6 +174,81 @@ def test_nodes_that_arrive_together_form_one_round_and_heartbeats_write_nothing(
             time.sleep(0.1)
         # 3 s of heartbeats (12 lease renewals per node) and checks: no write reached Raft.
         assert etcd_metrics(etcd_module)["etcd_server_proposals_committed_total"] == before
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+def replies(node: EtcdRendezvousHandler) -> list[int]:
+    """From now on, the size in bytes of every reply etcd sends ``node`` (as JSON, as the gateway sends it)."""
+    sizes: list[int] = []
+    call = node._client.call
+
+    def counted(path, body):
+        reply = call(path, body)
+        sizes.append(len(json.dumps(reply)))
+        return reply
+
+    node._client.call = counted
+    return sizes
+
+
+@pytest.mark.parametrize("standbys", [1, 200])
+def test_a_steady_check_reads_the_same_few_bytes_however_many_nodes_are_live(etcd_module, standbys):
+    """Issue 52: every agent checks five times a second, and each check read every node's key (etcd sent N² bytes
+    a second). Now a check reads a probe whose size does not depend on the node count while nothing changes,
+    heartbeats included, and reads everything again once something does."""
+    run = f"steady-{standbys}"
+    nodes = [handler(etcd_module, run, max_nodes=2) for _ in range(2)]
+    client = EtcdClient(etcd_module)
+    lease, _ = client.lease_grant(30)
+    try:
+        join_all(nodes)
+        for index in range(standbys):  # waiting nodes' keys, not admitted: the round is full
+            client.put(f"/platform/rendezvous/{run}/node/standby-{index}", json.dumps({"ready": True}), lease=lease)
+        checker = nodes[0]
+        checker._checked = 0.0
+        assert checker.num_nodes_waiting() == 0  # a full read: the standbys are new
+        whole = checker._last_snapshot
+        assert len(whole.live) == standbys + 2
+        sizes = replies(checker)
+        quiet_until = time.monotonic() + 1.5  # six keepalives of each node meanwhile
+        while time.monotonic() < quiet_until:
+            checker._checked = 0.0
+            assert checker.num_nodes_waiting() == 0
+            time.sleep(0.05)
+        assert len(sizes) > 10 and max(sizes) < 500, sizes  # a probe: the same bytes for 1 standby or 200
+        assert checker._last_snapshot is whole  # answered from the last whole read
+        # A change is read whole: a node leaves, the next check sees it and reads every node's key again.
+        client.delete(f"/platform/rendezvous/{run}/node/standby-0")
+        checker._checked = 0.0
+        checker.num_nodes_waiting()
+        assert checker._last_snapshot is not whole and len(checker._last_snapshot.live) == standbys + 1
+        assert sizes[-1] > 100 * standbys  # the whole read, as large as the node count makes it
+    finally:
+        client.lease_revoke(lease)
+        for node in nodes:
+            node.shutdown()
+
+
+def test_a_large_job_calls_etcd_less_often_and_still_notices_a_loss_within_its_budget(etcd_module):
+    """Up to 64 nodes the shipped rates hold (the 16-agent drills are unchanged); a job of 256 or 1,024 spreads
+    each agent's calls four times out (a 2 s lease renewed every 0.5 s, a check every 0.8 s): etcd serves about
+    what it serves for 64. A dead node is still noticed within a lease and a check, inside issue 52's 5 s."""
+    assert Rates.for_job(16, PLATFORM_TUNING) == Rates(0.1, 0.2, PLATFORM_TUNING.keep_alive_interval,
+                                                       PLATFORM_TUNING.lease_ttl)
+    assert Rates.for_job(64, PLATFORM_TUNING) == Rates.for_job(16, PLATFORM_TUNING)
+    large = Rates.for_job(1024, PLATFORM_TUNING)
+    assert large == Rates.for_job(256, PLATFORM_TUNING) == Rates(0.4, 0.8, 0.5, 2.0)
+    nodes = [handler(etcd_module, "large", min_nodes=1, max_nodes=1024, last_call_timeout=1) for _ in range(2)]
+    try:
+        join_all(nodes)
+        assert nodes[0]._lease_ttl_s == 2
+        survivor, victim = nodes
+        victim._stopping.set()  # its pod is gone: no more renewals, no revoke
+        died = time.monotonic()
+        until(lambda: survivor.num_nodes_waiting(), 10, "the survivor to notice")
+        assert time.monotonic() - died < large.lease_ttl_s + large.check_s + 1.0
     finally:
         for node in nodes:
             node.shutdown()

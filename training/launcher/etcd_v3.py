@@ -38,6 +38,11 @@ class EtcdUnavailable(Exception):
     """etcd could not be reached, or could not answer now (no leader, overloaded): try again later."""
 
 
+class LeaseNotFound(EtcdUnavailable):
+    """A write on a lease that had already ended: etcd answered the grant later than its TTL allowed, so a
+    new lease is the way on (seen with 64 simulated agents on a loaded machine: benchmarks/rendezvous_scale.py)."""
+
+
 class EtcdRequestError(Exception):
     """etcd understood the request and refused it for good (a malformed request, permission denied)."""
 
@@ -49,6 +54,14 @@ class KeyValue:
     mod_revision: int
     create_revision: int
     lease: int
+
+
+@dataclass(frozen=True)
+class Read:
+    """What :meth:`EtcdClient.read` found: each range's key-values and count, and the store's revision then."""
+    ranges: list[list[KeyValue]]
+    counts: list[int]
+    revision: int
 
 
 def _b64(data: str | bytes) -> str:
@@ -69,10 +82,21 @@ def _key_values(response: dict[str, Any]) -> list[KeyValue]:
 
 
 # Operations of a transaction: build them with these, pass them to EtcdClient.txn.
-def op_range(key: str, prefix: bool = False) -> dict[str, Any]:
+def op_range(key: str, prefix: bool = False, keys_only: bool = False, count_only: bool = False,
+             oldest_first: bool = False, limit: int = 0) -> dict[str, Any]:
+    """Read ``key`` (or every key under it); ``keys_only`` leaves the values out, ``count_only`` the keys too;
+    ``oldest_first`` orders them by creation; ``limit`` keeps that many (the count is still of them all)."""
     request: dict[str, Any] = {"key": _b64(key)}
     if prefix:
         request["range_end"] = prefix_end(key)
+    if oldest_first:
+        request.update(sort_order="ASCEND", sort_target="CREATE")
+    if limit:
+        request["limit"] = str(limit)
+    if keys_only:
+        request["keys_only"] = True
+    if count_only:
+        request["count_only"] = True
     return {"request_range": request}
 
 
@@ -215,8 +239,11 @@ class EtcdClient:
         return _key_values(self.call("kv/range", op_range(prefix, prefix=True)["request_range"]))
 
     def put(self, key: str, value: bytes | str, lease: int = 0) -> int:
-        """Write ``key``; the store's revision after the write."""
-        return int(self.call("kv/put", op_put(key, value, lease)["request_put"])["header"]["revision"])
+        """Write ``key``; the store's revision after the write. LeaseNotFound when ``lease`` has ended."""
+        reply = self.call("kv/put", op_put(key, value, lease)["request_put"])
+        if reply.get("not_found"):
+            raise LeaseNotFound(f"etcd refused {key!r} on lease {lease}: {reply.get('message')}")
+        return int(reply["header"]["revision"])
 
     def delete(self, key: str, prefix: bool = False) -> int:
         """Delete ``key`` (or every key under it); how many were deleted."""
@@ -228,6 +255,13 @@ class EtcdClient:
         reply = self.call("kv/txn", {"compare": compare, "success": success, "failure": list(failure)})
         ranges = [_key_values(r["response_range"]) for r in reply.get("responses", []) if "response_range" in r]
         return bool(reply.get("succeeded")), ranges
+
+    def read(self, ranges: list[dict[str, Any]]) -> Read:
+        """Several range ops read together at one revision (a transaction without compares)."""
+        reply = self.call("kv/txn", {"compare": [], "success": ranges, "failure": []})
+        found = [r["response_range"] for r in reply.get("responses", []) if "response_range" in r]
+        return Read([_key_values(r) for r in found], [int(r.get("count", 0)) for r in found],
+                    int(reply.get("header", {}).get("revision", 0)))
 
     # --- leases ---------------------------------------------------------------------------
 

@@ -15,8 +15,15 @@ never reached its full size. This handler implements torch's ``RendezvousHandler
   (``lease_ttl``, raised by etcd to its minimum: 1 s with the platform's etcd flags), and
   one that stops cleanly revokes it and disappears at once.
 - **Rounds change in transactions.** ``state`` holds the current round: its id, whether it is
-  forming or running, its members in rank order and the rank-0 address. Only joins,
-  completions and new rounds write it, each a compare-on-revision transaction.
+  forming or running, its members in rank order and the rank-0 address. Only new rounds and
+  completions write it, each a compare-on-revision transaction. A node joins a forming round with
+  a key of its own on its lease (``join/<round>/<node>``), so joins never contend; the oldest
+  joiner alive completes the round, and the others wait on a probe of a few bytes.
+- **Checks read a probe, not the world.** A running agent's check and a waiting agent's poll first
+  read a few bytes (the state's revision, how many nodes are live, the store's revision) and read
+  every node's key again only when they changed: while a job trains, etcd sends each agent the same
+  few bytes whatever the node count. Above ``STRETCH_ABOVE_NODES`` nodes each agent calls etcd less
+  often, in proportion (``Rates``), so that etcd's load stays about that of a job of that size.
 - **Shrink has no last call.** A round re-forming after a loss completes as soon as every
   live member of the previous round has re-joined; a dead member is known by its missing key.
 - **Growth is batched.** A node that arrives while a round is running waits; the running
@@ -65,7 +72,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.registry import handler_registry
 
 from training.launcher.etcd_v3 import (
-    EtcdClient, EtcdUnavailable, KeyValue, op_delete, op_put, op_range, unchanged_since,
+    EtcdClient, EtcdRequestError, EtcdUnavailable, KeyValue, Read, op_delete, op_put, op_range, unchanged_since,
 )
 from training.contract import PROGRESS_FILE_ENV, STOP_BUDGET_ENV, RendezvousTuning
 from training.launcher.topology import network_order, this_node_network
@@ -76,6 +83,34 @@ KEY_ROOT = "/platform/rendezvous"
 # How often a waiting agent reads the state, and how often a running one checks for changes.
 POLL_S = 0.1
 CHECK_S = 0.2
+# Up to this many nodes every agent keeps the rates above and the tuning's lease. A larger job spreads each
+# agent's calls out in proportion to its size (up to MAX_STRETCH times), so that etcd serves about as many
+# requests a second as for this many: with 256 agents at the small job's rates (14 calls a second each) a
+# three-member etcd on 2 cores timed out and formed no round (benchmarks/rendezvous_scale.py). Stretched
+# fully, a lost node is seen within a lease of STRETCHED_LEASE_S and a check, inside issue 52's 5 s.
+STRETCH_ABOVE_NODES = 64
+MAX_STRETCH = 4.0
+STRETCHED_LEASE_S = 2.0
+
+
+@dataclass(frozen=True)
+class Rates:
+    """How often one agent calls etcd, and its lease: the tuning's for a small job, stretched for a large one."""
+
+    poll_s: float  # a waiting or joining agent's probe
+    check_s: float  # a running agent's check (num_nodes_waiting)
+    keep_alive_s: float
+    lease_ttl_s: float
+
+    @classmethod
+    def for_job(cls, max_nodes: int, tuning: RendezvousTuning) -> "Rates":
+        stretch = min(MAX_STRETCH, max(1.0, max_nodes / STRETCH_ABOVE_NODES))
+        if stretch == 1.0:
+            return cls(POLL_S, CHECK_S, tuning.keep_alive_interval, tuning.lease_ttl)
+        keep_alive = tuning.keep_alive_interval * stretch
+        # Four renewals a lease, as the tuning has (0.25 s in 1 s): one late renewal does not lose the node.
+        return cls(POLL_S * stretch, CHECK_S * stretch, min(keep_alive, STRETCHED_LEASE_S / 4),
+                   max(tuning.lease_ttl, STRETCHED_LEASE_S))
 # A live member of the previous round that has not re-joined after its workers' stop budget and
 # this margin (they are stuck stopping) no longer holds up the round; the last call decides.
 REJOIN_MARGIN_S = 10.0
@@ -114,11 +149,11 @@ class Outage:
 
 @dataclass
 class RoundState:
-    """The ``state`` key: the current round. ``joining`` and ``members`` hold [node id, address, port]."""
+    """The ``state`` key: the current round. ``members`` holds [node id, address, port] in rank order; a
+    forming round's joiners are keys of their own (``join/<round id>/<node id>``)."""
 
     id: str
     status: str  # "forming" or "running"
-    joining: list[list[Any]] = field(default_factory=list)
     members: list[list[Any]] = field(default_factory=list)
     previous: list[str] = field(default_factory=list)  # member ids of the round before, for shrinks
     previous_id: str | None = None
@@ -129,10 +164,6 @@ class RoundState:
     @property
     def member_ids(self) -> list[str]:
         return [m[0] for m in self.members]
-
-    @property
-    def joining_ids(self) -> list[str]:
-        return [m[0] for m in self.joining]
 
     def encode(self) -> str:
         return json.dumps(self.__dict__)
@@ -148,6 +179,9 @@ class Snapshot:
     revision: int  # the state key's mod revision (0: absent)
     closed: bool
     live: dict[str, dict[str, Any]]  # node id -> its record, for every node whose lease is alive
+    # What a probe compares (see _snapshot): the state's revision, the closed flag's and the live nodes'
+    # counts, and the store's revision when it was read.
+    signature: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
 def tuning_from_params(params: RendezvousParameters) -> RendezvousTuning:
@@ -182,6 +216,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._min, self._max = min_nodes, max_nodes
         self._client = client
         self._tuning = tuning
+        self._rates = Rates.for_job(max_nodes, tuning)
         self._addr = local_addr or socket.getfqdn()
         self._node = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._prefix = f"{KEY_ROOT}/{run_id}/"
@@ -199,6 +234,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._training_since: float | None = None
         self._checked = 0.0
         self._waiting = 0
+        self._last_snapshot: Snapshot | None = None  # answered again while a probe finds nothing changed
         self._lease_lost_at = float("-inf")  # monotonic time this node's own lease was found gone
         self._doubting = False  # members are missing and the verdict waits (logged once)
         # Whether the workers can still stop together with a checkpoint (see stop_gracefully).
@@ -239,7 +275,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Leave: stop heartbeating and revoke the lease, so peers see this node gone at once."""
         self._stopping.set()
         if self._heartbeat is not None:
-            self._heartbeat.join(timeout=2 * self._tuning.keep_alive_interval + self._tuning.read_timeout)
+            self._heartbeat.join(timeout=2 * self._rates.keep_alive_s + self._tuning.read_timeout)
         if self._lease:
             with contextlib.suppress(EtcdUnavailable, OSError):  # then the lease expires by itself
                 self._client.lease_revoke(self._lease)
@@ -262,7 +298,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     f"(at least {self._min} node(s) needed)")
             snap = self._snapshot()
             if snap is None:
-                time.sleep(POLL_S)
+                time.sleep(self._rates.poll_s)
                 continue
             if snap.closed:
                 raise RendezvousClosedError(f"the rendezvous of {self._run_id} is closed: the job finished")
@@ -280,30 +316,41 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 # The job runs without this node: it waits to be admitted (see num_nodes_waiting), as a
                 # standby for as long as it takes; the join timeout is for a job that cannot start.
                 started = time.monotonic()
-                time.sleep(POLL_S)
+                time.sleep(self._rates.poll_s)
                 continue
-            # A round is forming.
-            if self._node not in state.joining_ids:
-                if len(state.joining) < self._max:
-                    self._update(snap, joining=[*state.joining, [self._node, self._addr, free_port(self._addr)]])
+            # A round is forming. Each node joins with a key of its own (join/<round>/<node>, on its lease: a
+            # joiner that dies leaves with it), so joins do not contend for the state key; the oldest joiner
+            # alive decides when the round starts, and the others watch a probe of a few bytes until it does.
+            joiners = self._join_probe(state.id)
+            if joiners is None:
+                time.sleep(self._rates.poll_s)
+                continue
+            count, oldest, mine = joiners
+            if not mine:
+                if count < self._max:
+                    self._join(snap, state)
                 else:
-                    time.sleep(POLL_S)
+                    time.sleep(self._rates.poll_s)  # full: it stays a standby of the round that forms
                 continue
-            gone = [j for j in state.joining if j[0] not in snap.live]
-            if gone:
-                self._update(snap, joining=[j for j in state.joining if j[0] in snap.live])
+            if oldest != self._node:
+                self._await_decision(snap, state, until=started + self._tuning.join_timeout)
                 continue
-            if state.joining_ids != seen_joining:
-                seen_joining, changed_at = state.joining_ids, time.monotonic()
-            if self._complete(state, snap, changed_at):
-                self._finish_round(snap)
+            joining = self._joiners(state.id)
+            if joining is None:
+                time.sleep(self._rates.poll_s)
                 continue
-            time.sleep(POLL_S)
+            joined_ids = [j[0] for j in joining]
+            if joined_ids != seen_joining:
+                seen_joining, changed_at = joined_ids, time.monotonic()
+            if self._complete(state, snap, joining, changed_at):
+                self._finish_round(snap, joining)
+                continue
+            time.sleep(self._rates.poll_s)
 
     def num_nodes_waiting(self) -> int:
         """Called by the agent between health checks: > 0 restarts this node's workers into a new round."""
         now = time.monotonic()
-        if now - self._checked < CHECK_S:
+        if now - self._checked < self._rates.check_s:
             return self._waiting
         self._checked = now
         snap = self._snapshot(wait=False)
@@ -375,9 +422,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     # --- rounds -----------------------------------------------------------------------------
 
-    def _complete(self, state: RoundState, snap: Snapshot, changed_at: float) -> bool:
-        """Whether the forming round may start now (any of its joined nodes may decide it)."""
-        joined = set(state.joining_ids)
+    def _complete(self, state: RoundState, snap: Snapshot, joining: list[list[Any]], changed_at: float) -> bool:
+        """Whether the forming round may start now (its oldest joiner decides it)."""
+        joined = {j[0] for j in joining}
         if len(joined) < self._min:
             return False
         if len(joined) >= self._max:
@@ -400,26 +447,66 @@ class EtcdRendezvousHandler(RendezvousHandler):
         else:
             reason = "growth" if self._waiting and self._graceful else "restart"
         state = RoundState(id=uuid.uuid4().hex[:12], status="forming", reason=reason,
-                           joining=[[self._node, self._addr, free_port(self._addr)]],
                            previous=[m for m in (previous.member_ids if previous else []) if m in snap.live],
                            previous_id=previous.id if previous else None)
         if self._write(snap, state):
             log.info("node %s started round %s of the rendezvous (%s)", self._node, state.id, reason)
 
-    def _update(self, snap: Snapshot, joining: list[list[Any]]) -> None:
-        self._write(snap, replace(snap.state, joining=joining))
+    def _join(self, snap: Snapshot, state: RoundState) -> None:
+        """This node's join key for the forming round, on its lease, unless the state changed since ``snap``."""
+        record = json.dumps([self._node, self._addr, free_port(self._addr)])
+        try:
+            self._client.txn([unchanged_since(self._key("state"), snap.revision)],
+                             [op_put(self._key(f"join/{state.id}/{self._node}"), record, lease=self._lease)])
+        except EtcdUnavailable as exc:
+            self._outage.failed(exc)
 
-    def _finish_round(self, snap: Snapshot) -> None:
+    def _join_probe(self, round_id: str) -> tuple[int, str | None, bool] | None:
+        """How many nodes have joined the forming round, the oldest of them, and whether this node is one."""
+        read = self._read([op_range(self._key(f"join/{round_id}/"), prefix=True, keys_only=True, oldest_first=True,
+                                    limit=1),
+                           op_range(self._key(f"join/{round_id}/{self._node}"), count_only=True)])
+        if read is None:
+            return None
+        oldest = read.ranges[0][0].key.rsplit("/", 1)[1] if read.ranges[0] else None
+        return read.counts[0], oldest, read.counts[1] > 0
+
+    def _joiners(self, round_id: str) -> list[list[Any]] | None:
+        """Every node that joined the forming round, in the order they joined: [node id, address, port]."""
+        read = self._read([op_range(self._key(f"join/{round_id}/"), prefix=True, oldest_first=True)])
+        return None if read is None else [json.loads(kv.value) for kv in read.ranges[0]]
+
+    def _await_decision(self, snap: Snapshot, state: RoundState, until: float) -> None:
+        """A joiner that does not decide: wait while the state is the one read in ``snap``, this node is still
+        joined (its key goes with a lost lease) and another joiner is the oldest, until monotonic ``until``. A
+        probe of a few bytes every POLL_S, whatever the node count; everything is read again once one changes."""
+        while time.monotonic() < until:
+            time.sleep(self._rates.poll_s)
+            read = self._read([op_range(self._key("state"), keys_only=True),
+                               op_range(self._key("closed"), count_only=True),
+                               op_range(self._key(f"join/{state.id}/"), prefix=True, keys_only=True, oldest_first=True,
+                                        limit=1),
+                               op_range(self._key(f"join/{state.id}/{self._node}"), count_only=True)])
+            if read is None:
+                return
+            current, _, oldest, _ = read.ranges
+            if ((current[0].mod_revision if current else 0) != snap.revision or read.counts[1] or not read.counts[3]
+                    or not oldest or oldest[0].key.rsplit("/", 1)[1] == self._node):
+                return
+
+    def _finish_round(self, snap: Snapshot, joining: list[list[Any]]) -> None:
         state = snap.state
         # Survivors keep their order (rank 0 stays where the state is warm); newcomers follow. Then the
         # nodes whose network is known are put in network order, turned so that rank 0 stays (topology.py).
         order = {n: i for i, n in enumerate(state.previous)}
-        members = sorted(state.joining, key=lambda j: (order.get(j[0], len(order)), state.joining.index(j)))
+        members = sorted(joining, key=lambda j: (order.get(j[0], len(order)), joining.index(j)))
         members = members[:self._max]
         members = network_order(members, lambda j: tuple(snap.live.get(j[0], {}).get("network", ())),
                                 first=members[0] if state.previous else None)
-        done = replace(state, status="running", members=members, joining=[])
-        cleanup = [op_delete(self._key(f"store/{state.previous_id}/"), prefix=True)] if state.previous_id else []
+        done = replace(state, status="running", members=members)
+        cleanup = [op_delete(self._key(f"join/{state.id}/"), prefix=True)]
+        if state.previous_id:
+            cleanup.append(op_delete(self._key(f"store/{state.previous_id}/"), prefix=True))
         if self._write(snap, done, cleanup):
             log.info("round %s of the rendezvous starts with %d node(s)", done.id, len(done.members))
 
@@ -459,21 +546,53 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return self._prefix + name
 
     def _snapshot(self, wait: bool = True) -> Snapshot | None:
-        """The state, the closed flag and the live nodes, read together; None while etcd is away."""
+        """The state, the closed flag and the live nodes, read together; None while etcd is away.
+
+        Read whole only when something changed. Every agent checks five times a second (CHECK_S) and a
+        standby polls ten times, so reading every node's key each time made etcd send N² bytes a second
+        (benchmarks/rendezvous_scale.py: N^1.94 from 16 to 64 agents). A probe of a few bytes, whatever N is,
+        reads the state key's revision, whether the job is closed, how many nodes are live and the store's
+        revision (only a write moves it, and keepalives write nothing: 0 proposals a second while steady in
+        that benchmark; test_rendezvous_v3.py asserts that probes through keepalives find nothing new).
+        When the probe matches the last snapshot's, that snapshot is still what etcd holds and is answered
+        again. The counts and the state's revision stand guard for an etcd restarted empty, whose store
+        revision starts over and could meet the old one.
+        """
+        last = self._last_snapshot
+        if last is not None:
+            probe = self._read([op_range(self._key("state"), keys_only=True),
+                                op_range(self._key("closed"), count_only=True),
+                                op_range(self._key("node/"), prefix=True, count_only=True)], wait)
+            if probe is None:
+                return None
+            state = probe.ranges[0]
+            if (state[0].mod_revision if state else 0, *probe.counts[1:], probe.revision) == last.signature:
+                return last
+        read = self._read([op_range(self._key("state")), op_range(self._key("closed")),
+                           op_range(self._key("node/"), prefix=True)], wait)
+        if read is None:
+            return None
+        state, closed, nodes = read.ranges
+        revision = state[0].mod_revision if state else 0
+        self._last_snapshot = Snapshot(RoundState.decode(state[0].value) if state else None, revision, bool(closed),
+                                       {kv.key.rsplit("/", 1)[1]: json.loads(kv.value) for kv in nodes},
+                                       (revision, len(closed), len(nodes), read.revision))
+        return self._last_snapshot
+
+    def _read(self, ranges: list[dict], wait: bool = True) -> Read | None:
+        """Range ops read together; None while etcd is away (after a pause, with ``wait``), up to the tolerance."""
         try:
-            _, (state, closed, nodes) = self._client.txn([], [
-                op_range(self._key("state")), op_range(self._key("closed")), op_range(self._key("node/"), prefix=True)])
+            read = self._client.read(ranges)
         except EtcdUnavailable as exc:
             self._outage.failed(exc)
             if self._outage.exceeded:
                 raise RendezvousConnectionError(f"etcd has been unreachable for over "
                                                 f"{self._outage.tolerance_s:.0f} s: {exc}") from exc
             if wait:
-                time.sleep(min(1.0, 5 * POLL_S))
+                time.sleep(min(1.0, 5 * self._rates.poll_s))
             return None
         self._outage.answered()
-        return Snapshot(RoundState.decode(state[0].value) if state else None, state[0].mod_revision if state else 0,
-                        bool(closed), {kv.key.rsplit("/", 1)[1]: json.loads(kv.value) for kv in nodes})
+        return read
 
     def _write(self, snap: Snapshot, state: RoundState, also: list[dict] = ()) -> bool:
         """Replace the state read in ``snap`` with ``state``, unless someone changed it meanwhile."""
@@ -512,26 +631,29 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def _grant(self) -> None:
         with self._lease_lock:
-            lease, granted = self._client.lease_grant(max(1, round(self._tuning.lease_ttl)))
+            lease, granted = self._client.lease_grant(max(1, round(self._rates.lease_ttl_s)))
             record = json.dumps({"addr": self._addr, "ready": True, "since": time.time(),
                                  **({"network": list(self._network)} if self._network else {})})
+            # LeaseNotFound (an EtcdUnavailable) when etcd answered later than the TTL: the caller tries again.
             self._client.put(self._key(f"node/{self._node}"), record, lease=lease)
             if self._lease:  # a lease held before is gone
                 self._lease_lost_at = time.monotonic()
                 log.warning("this node's etcd lease was lost (etcd restarted without its data, stalled, or a "
                             "partition outlasted it); holding a new one")
             self._lease, self._lease_ttl_s = lease, granted
-            if granted > self._tuning.lease_ttl:
-                log.info("etcd granted a %d s lease (its minimum) for the %g s asked", granted, self._tuning.lease_ttl)
+            if granted > self._rates.lease_ttl_s:
+                log.info("etcd granted a %d s lease (its minimum) for the %g s asked", granted, self._rates.lease_ttl_s)
 
     def _keep_alive(self) -> None:
-        while not self._stopping.wait(self._tuning.keep_alive_interval):
+        while not self._stopping.wait(self._rates.keep_alive_s):
             try:
                 if self._client.lease_keepalive(self._lease) == 0:
                     self._grant()  # the lease is gone, this node's key with it: peers see it back (_missing_members)
                 self._outage.answered()
             except EtcdUnavailable as exc:
                 self._outage.failed(exc)
+            except EtcdRequestError as exc:  # the heartbeat must outlive any one refusal: peers count on it
+                log.error("etcd refused this node's lease renewal: %s; trying again", exc)
 
 
 class EtcdStore(Store):
