@@ -56,8 +56,10 @@ LOST_PEER_STOP_S = 0.5
 DEFAULT_STOP_BUDGET_S = 30
 # Seconds a worker whose collective failed waits before this agent decides no peer was lost and the
 # failure was the job's own: a dead peer's lease ends within 1.5 s of its last renewal and the
-# rendezvous is checked every CHECK_S (training/launcher/rendezvous.py); the rest is a margin.
+# rendezvous is checked every CHECK_S (training/launcher/rendezvous.py); the rest is a margin. A large job's
+# rendezvous notices a loss later (its stretched Rates, loss_noticed_within_s): it gets that and the margin.
 LOST_PEER_GRACE_S = 5.0
+LOST_PEER_MARGIN_S = 3.5
 # Seconds the workers get to pause after a lost peer before they are restarted as torch would: a bound
 # for a step, or a collective, that outlasts it (the workers shut their connections, so a collective on
 # the old group fails within a fraction of a second: training/loop/regroup.py, shut_tcp_connections). A
@@ -294,9 +296,9 @@ class PlatformAgent(LocalElasticAgent):
         except OSError:
             return False
 
-    def _refuse_unexplained_breaks(self) -> None:
+    def _refuse_unexplained_breaks(self, rendezvous) -> None:
         """A worker whose collective failed waits for the round without the lost peer. When no peer
-        was lost (the rendezvous reports none within LOST_PEER_GRACE_S), the failure was the job's
+        was lost (the rendezvous reports none within LOST_PEER_GRACE_S, or what a large job's needs), the failure was the job's
         own: the worker is told so (a membership without env) and fails with its error, and the
         workers restart as after any failure."""
         if not self._in_place or self._control_dir is None:
@@ -308,7 +310,8 @@ class PlatformAgent(LocalElasticAgent):
         now = time.monotonic()
         if self._broken_since is None:
             self._broken_since = now
-        if now - self._broken_since < LOST_PEER_GRACE_S:
+        noticed = getattr(rendezvous, "loss_noticed_within_s", 0.0)
+        if now - self._broken_since < max(LOST_PEER_GRACE_S, noticed + LOST_PEER_MARGIN_S):
             return
         for marker in broken:
             with contextlib.suppress(OSError, ValueError):
@@ -323,7 +326,7 @@ class PlatformAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY:
-            self._refuse_unexplained_breaks()
+            self._refuse_unexplained_breaks(worker_group.spec.rdzv_handler)
         if result.state == WorkerState.SUCCEEDED:
             # The job is done: close the rendezvous now, before this agent leaves it, so a pod that
             # arrives late exits at once instead of starting a round of its own.

@@ -83,14 +83,17 @@ def _key_values(response: dict[str, Any]) -> list[KeyValue]:
 
 # Operations of a transaction: build them with these, pass them to EtcdClient.txn.
 def op_range(key: str, prefix: bool = False, keys_only: bool = False, count_only: bool = False,
-             oldest_first: bool = False, limit: int = 0) -> dict[str, Any]:
+             oldest_first: bool = False, newest_write_first: bool = False, limit: int = 0) -> dict[str, Any]:
     """Read ``key`` (or every key under it); ``keys_only`` leaves the values out, ``count_only`` the keys too;
-    ``oldest_first`` orders them by creation; ``limit`` keeps that many (the count is still of them all)."""
+    ``oldest_first`` orders them by creation, ``newest_write_first`` by their last write, latest first;
+    ``limit`` keeps that many (the count is still of them all)."""
     request: dict[str, Any] = {"key": _b64(key)}
     if prefix:
         request["range_end"] = prefix_end(key)
     if oldest_first:
         request.update(sort_order="ASCEND", sort_target="CREATE")
+    if newest_write_first:
+        request.update(sort_order="DESCEND", sort_target="MOD")
     if limit:
         request["limit"] = str(limit)
     if keys_only:
@@ -112,6 +115,12 @@ def op_delete(key: str, prefix: bool = False) -> dict[str, Any]:
     if prefix:
         request["range_end"] = prefix_end(key)
     return {"request_delete_range": request}
+
+
+def none_created_after(prefix: str, revision: int) -> dict[str, Any]:
+    """Compare: no key under ``prefix`` was created after ``revision`` (etcd 3.3+ compares over a range)."""
+    return {"key": _b64(prefix), "range_end": prefix_end(prefix), "target": "CREATE", "result": "LESS",
+            "create_revision": str(revision + 1)}
 
 
 def unchanged_since(key: str, mod_revision: int) -> dict[str, Any]:

@@ -72,7 +72,8 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.registry import handler_registry
 
 from training.launcher.etcd_v3 import (
-    EtcdClient, EtcdRequestError, EtcdUnavailable, KeyValue, Read, op_delete, op_put, op_range, unchanged_since,
+    EtcdClient, EtcdRequestError, EtcdUnavailable, KeyValue, Read, none_created_after, op_delete, op_put, op_range,
+    unchanged_since,
 )
 from training.contract import PROGRESS_FILE_ENV, STOP_BUDGET_ENV, RendezvousTuning
 from training.launcher.topology import network_order, this_node_network
@@ -107,10 +108,14 @@ class Rates:
         stretch = min(MAX_STRETCH, max(1.0, max_nodes / STRETCH_ABOVE_NODES))
         if stretch == 1.0:
             return cls(POLL_S, CHECK_S, tuning.keep_alive_interval, tuning.lease_ttl)
-        keep_alive = tuning.keep_alive_interval * stretch
-        # Four renewals a lease, as the tuning has (0.25 s in 1 s): one late renewal does not lose the node.
-        return cls(POLL_S * stretch, CHECK_S * stretch, min(keep_alive, STRETCHED_LEASE_S / 4),
-                   max(tuning.lease_ttl, STRETCHED_LEASE_S))
+        lease = max(tuning.lease_ttl, STRETCHED_LEASE_S)
+        # At least four renewals a lease, as the tuning has (0.25 s in 1 s): one late renewal does not lose the node.
+        return cls(POLL_S * stretch, CHECK_S * stretch, min(tuning.keep_alive_interval * stretch, lease / 4), lease)
+
+    @property
+    def loss_noticed_within_s(self) -> float:
+        """A dead node's key ends within a lease of its last renewal, and a check sees it then."""
+        return self.lease_ttl_s + self.keep_alive_s + self.check_s
 # A live member of the previous round that has not re-joined after its workers' stop budget and
 # this margin (they are stuck stopping) no longer holds up the round; the last call decides.
 REJOIN_MARGIN_S = 10.0
@@ -170,7 +175,8 @@ class RoundState:
 
     @classmethod
     def decode(cls, raw: bytes) -> "RoundState":
-        return cls(**json.loads(raw))
+        known = {f.name for f in fields(cls)}  # a state an earlier launcher wrote has fields this one dropped
+        return cls(**{key: value for key, value in json.loads(raw).items() if key in known})
 
 
 @dataclass
@@ -180,7 +186,7 @@ class Snapshot:
     closed: bool
     live: dict[str, dict[str, Any]]  # node id -> its record, for every node whose lease is alive
     # What a probe compares (see _snapshot): the state's revision, the closed flag's and the live nodes'
-    # counts, and the store's revision when it was read.
+    # counts, and the revision of the newest write to a node's key.
     signature: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
@@ -335,15 +341,18 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if oldest != self._node:
                 self._await_decision(snap, state, until=started + self._tuning.join_timeout)
                 continue
-            joining = self._joiners(state.id)
-            if joining is None:
+            joiners = self._joiners(state.id)
+            if joiners is None:
                 time.sleep(self._rates.poll_s)
                 continue
+            joining, read_at = joiners
             joined_ids = [j[0] for j in joining]
+            if self._node not in joined_ids:
+                continue  # its own key went (a lost lease) since the probe: it joins again
             if joined_ids != seen_joining:
                 seen_joining, changed_at = joined_ids, time.monotonic()
             if self._complete(state, snap, joining, changed_at):
-                self._finish_round(snap, joining)
+                self._finish_round(snap, joining, read_at)
                 continue
             time.sleep(self._rates.poll_s)
 
@@ -410,6 +419,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return missing
 
     @property
+    def loss_noticed_within_s(self) -> float:
+        """How long after a node's death its peers' checks find it gone (the agent waits that for a lost peer)."""
+        return self._rates.loss_noticed_within_s
+
+    @property
     def stop_gracefully(self) -> bool:
         """Whether this node's workers should be given their stop budget to checkpoint before a restart.
 
@@ -471,10 +485,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         oldest = read.ranges[0][0].key.rsplit("/", 1)[1] if read.ranges[0] else None
         return read.counts[0], oldest, read.counts[1] > 0
 
-    def _joiners(self, round_id: str) -> list[list[Any]] | None:
-        """Every node that joined the forming round, in the order they joined: [node id, address, port]."""
+    def _joiners(self, round_id: str) -> tuple[list[list[Any]], int] | None:
+        """Every node that joined the forming round, in the order they joined ([node id, address, port]), and
+        the revision they were read at."""
         read = self._read([op_range(self._key(f"join/{round_id}/"), prefix=True, oldest_first=True)])
-        return None if read is None else [json.loads(kv.value) for kv in read.ranges[0]]
+        return None if read is None else ([json.loads(kv.value) for kv in read.ranges[0]], read.revision)
 
     def _await_decision(self, snap: Snapshot, state: RoundState, until: float) -> None:
         """A joiner that does not decide: wait while the state is the one read in ``snap``, this node is still
@@ -494,7 +509,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     or not oldest or oldest[0].key.rsplit("/", 1)[1] == self._node):
                 return
 
-    def _finish_round(self, snap: Snapshot, joining: list[list[Any]]) -> None:
+    def _finish_round(self, snap: Snapshot, joining: list[list[Any]], read_at: int) -> None:
         state = snap.state
         # Survivors keep their order (rank 0 stays where the state is warm); newcomers follow. Then the
         # nodes whose network is known are put in network order, turned so that rank 0 stays (topology.py).
@@ -507,7 +522,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         cleanup = [op_delete(self._key(f"join/{state.id}/"), prefix=True)]
         if state.previous_id:
             cleanup.append(op_delete(self._key(f"store/{state.previous_id}/"), prefix=True))
-        if self._write(snap, done, cleanup):
+        # Unless a node joined after ``joining`` was read: then the round is decided again with it.
+        if self._write(snap, done, cleanup, provided=[none_created_after(self._key(f"join/{state.id}/"), read_at)]):
             log.info("round %s of the rendezvous starts with %d node(s)", done.id, len(done.members))
 
     def _joined(self, state: RoundState) -> RendezvousInfo:
@@ -551,22 +567,25 @@ class EtcdRendezvousHandler(RendezvousHandler):
         Read whole only when something changed. Every agent checks five times a second (CHECK_S) and a
         standby polls ten times, so reading every node's key each time made etcd send N² bytes a second
         (benchmarks/rendezvous_scale.py: N^1.94 from 16 to 64 agents). A probe of a few bytes, whatever N is,
-        reads the state key's revision, whether the job is closed, how many nodes are live and the store's
-        revision (only a write moves it, and keepalives write nothing: 0 proposals a second while steady in
-        that benchmark; test_rendezvous_v3.py asserts that probes through keepalives find nothing new).
-        When the probe matches the last snapshot's, that snapshot is still what etcd holds and is answered
-        again. The counts and the state's revision stand guard for an etcd restarted empty, whose store
-        revision starts over and could meet the old one.
+        reads this job's state key's revision, whether it is closed, how many of its nodes are live and the
+        revision of the newest write to a node's key: a node's key that goes lowers the count, one that comes
+        or comes back (a re-granted lease) raises the newest revision, and keepalives write nothing (0
+        proposals a second while steady in that benchmark). When the probe matches the last snapshot's, that
+        snapshot is still what etcd holds for this job and is answered again; other jobs' writes on a shared
+        etcd do not count. The cache is dropped when etcd was away or this node's lease was replaced: an
+        etcd back empty starts its revisions over.
         """
         last = self._last_snapshot
         if last is not None:
             probe = self._read([op_range(self._key("state"), keys_only=True),
                                 op_range(self._key("closed"), count_only=True),
-                                op_range(self._key("node/"), prefix=True, count_only=True)], wait)
+                                op_range(self._key("node/"), prefix=True, keys_only=True, newest_write_first=True,
+                                         limit=1)], wait)
             if probe is None:
                 return None
-            state = probe.ranges[0]
-            if (state[0].mod_revision if state else 0, *probe.counts[1:], probe.revision) == last.signature:
+            state, _, newest = probe.ranges
+            if (state[0].mod_revision if state else 0, *probe.counts[1:],
+                    newest[0].mod_revision if newest else 0) == last.signature:
                 return last
         read = self._read([op_range(self._key("state")), op_range(self._key("closed")),
                            op_range(self._key("node/"), prefix=True)], wait)
@@ -576,7 +595,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         revision = state[0].mod_revision if state else 0
         self._last_snapshot = Snapshot(RoundState.decode(state[0].value) if state else None, revision, bool(closed),
                                        {kv.key.rsplit("/", 1)[1]: json.loads(kv.value) for kv in nodes},
-                                       (revision, len(closed), len(nodes), read.revision))
+                                       (revision, len(closed), len(nodes), max((kv.mod_revision for kv in nodes),
+                                                                               default=0)))
         return self._last_snapshot
 
     def _read(self, ranges: list[dict], wait: bool = True) -> Read | None:
@@ -585,6 +605,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             read = self._client.read(ranges)
         except EtcdUnavailable as exc:
             self._outage.failed(exc)
+            self._last_snapshot = None  # etcd may come back empty, its revisions started over
             if self._outage.exceeded:
                 raise RendezvousConnectionError(f"etcd has been unreachable for over "
                                                 f"{self._outage.tolerance_s:.0f} s: {exc}") from exc
@@ -594,10 +615,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._outage.answered()
         return read
 
-    def _write(self, snap: Snapshot, state: RoundState, also: list[dict] = ()) -> bool:
-        """Replace the state read in ``snap`` with ``state``, unless someone changed it meanwhile."""
+    def _write(self, snap: Snapshot, state: RoundState, also: list[dict] = (), provided: list[dict] = ()) -> bool:
+        """Replace the state read in ``snap`` with ``state`` (and do ``also``) unless someone changed it meanwhile,
+        provided every compare in ``provided`` holds too."""
         try:
-            written, _ = self._client.txn([unchanged_since(self._key("state"), snap.revision)],
+            written, _ = self._client.txn([unchanged_since(self._key("state"), snap.revision), *provided],
                                           [op_put(self._key("state"), state.encode()), *also])
         except EtcdUnavailable as exc:
             self._outage.failed(exc)
@@ -638,6 +660,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._client.put(self._key(f"node/{self._node}"), record, lease=lease)
             if self._lease:  # a lease held before is gone
                 self._lease_lost_at = time.monotonic()
+                self._last_snapshot = None  # etcd may have come back empty: read everything again
                 log.warning("this node's etcd lease was lost (etcd restarted without its data, stalled, or a "
                             "partition outlasted it); holding a new one")
             self._lease, self._lease_ttl_s = lease, granted
