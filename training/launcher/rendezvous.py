@@ -20,8 +20,8 @@ never reached its full size. This handler implements torch's ``RendezvousHandler
   a key of its own on its lease (``join/<round>/<node>``), so joins never contend; the oldest
   joiner alive completes the round, and the others wait on a probe of a few bytes.
 - **Checks read a probe, not the world.** A running agent's check and a waiting agent's poll first
-  read a few bytes (the state's revision, how many nodes are live, the store's revision) and read
-  every node's key again only when they changed: while a job trains, etcd sends each agent the same
+  read a few bytes (the state's revision, how many nodes are live, the newest write to a node's key)
+  and read every node's key again only when they changed: while a job trains, etcd sends each agent the same
   few bytes whatever the node count. Above ``STRETCH_ABOVE_NODES`` nodes each agent calls etcd less
   often, in proportion (``Rates``), so that etcd's load stays about that of a job of that size.
 - **Shrink has no last call.** A round re-forming after a loss completes as soon as every
@@ -477,13 +477,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def _join_probe(self, round_id: str) -> tuple[int, str | None, bool] | None:
         """How many nodes have joined the forming round, the oldest of them, and whether this node is one."""
-        read = self._read([op_range(self._key(f"join/{round_id}/"), prefix=True, keys_only=True, oldest_first=True,
-                                    limit=1),
-                           op_range(self._key(f"join/{round_id}/{self._node}"), count_only=True)])
+        read = self._read(self._join_ops(round_id))
         if read is None:
             return None
         oldest = read.ranges[0][0].key.rsplit("/", 1)[1] if read.ranges[0] else None
         return read.counts[0], oldest, read.counts[1] > 0
+
+    def _join_ops(self, round_id: str) -> list[dict]:
+        """A few bytes whatever the node count: the forming round's oldest joiner (and how many joined), and
+        whether this node's join key is there."""
+        return [op_range(self._key(f"join/{round_id}/"), prefix=True, keys_only=True, oldest_first=True, limit=1),
+                op_range(self._key(f"join/{round_id}/{self._node}"), count_only=True)]
 
     def _joiners(self, round_id: str) -> tuple[list[list[Any]], int] | None:
         """Every node that joined the forming round, in the order they joined ([node id, address, port]), and
@@ -494,14 +498,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _await_decision(self, snap: Snapshot, state: RoundState, until: float) -> None:
         """A joiner that does not decide: wait while the state is the one read in ``snap``, this node is still
         joined (its key goes with a lost lease) and another joiner is the oldest, until monotonic ``until``. A
-        probe of a few bytes every POLL_S, whatever the node count; everything is read again once one changes."""
+        probe of a few bytes every poll, whatever the node count; everything is read again once one changes."""
         while time.monotonic() < until:
             time.sleep(self._rates.poll_s)
             read = self._read([op_range(self._key("state"), keys_only=True),
-                               op_range(self._key("closed"), count_only=True),
-                               op_range(self._key(f"join/{state.id}/"), prefix=True, keys_only=True, oldest_first=True,
-                                        limit=1),
-                               op_range(self._key(f"join/{state.id}/{self._node}"), count_only=True)])
+                               op_range(self._key("closed"), count_only=True), *self._join_ops(state.id)])
             if read is None:
                 return
             current, _, oldest, _ = read.ranges
