@@ -520,8 +520,11 @@ def _kill_moment(work: Path, moment: str) -> bool:
 
 # The drills' margin over the median. On 2 shared cores scheduling alone puts the slowest rank of a
 # healthy window at up to 1.27 times the median with 64 px inputs (12 windows, 4 agents; 1.44 at the
-# p99 of 108 windows with 16 px ones, 2026-11-27); a node given a quarter of the CPU shows 1.8 to 2.4.
-# The shipped default (0.25) is for real nodes, each with cores of its own.
+# p99 of 108 windows with 16 px ones, 2026-11-27). A node held to a share of the CPU shows less than
+# 1/share: the healthy ranks' own times are stretched too, by the four of them sharing 2 cores. With a
+# spinning process beside the drill (2026-11-28): a quarter showed 1.8 to 1.9 (1.4 to 1.9 before the
+# throttle kept its share, and CI once named the node at the fifth window, not the second), 0.15 showed
+# 3.4 to 3.8, a tenth 8 to 10. The shipped default (0.25) is for real nodes, each with cores of its own.
 STRAGGLER_DRILL_MARGIN = 0.5
 
 
@@ -564,9 +567,15 @@ def _descendants(pid: int) -> list[int]:
 
 def throttle(pids: list[int], stop: threading.Event, share: float = 0.25, period_s: float = 0.02) -> None:
     """Let ``pids`` run ``share`` of every ``period_s`` and stop them for the rest, as a cgroup's CPU
-    quota does (cpu.max: a quota per period, then the group waits), until ``stop`` is set."""
+    quota does (cpu.max: a quota per period, then the group waits), until ``stop`` is set.
+
+    The stop that ends a run comes late on a loaded machine (this thread waits for a core too), so each
+    pause is sized from the run as it really was: the share holds however late the thread wakes. Sized
+    from the intended run alone, a drill on two busy cores gave the node about half its time, not the
+    quarter asked."""
     try:
         while not stop.is_set():
+            resumed = time.monotonic()
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
@@ -574,7 +583,8 @@ def throttle(pids: list[int], stop: threading.Event, share: float = 0.25, period
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGSTOP)
-            time.sleep(period_s * (1 - share))
+            ran_s = time.monotonic() - resumed
+            time.sleep(ran_s * (1 - share) / share)
     finally:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):

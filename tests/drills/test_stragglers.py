@@ -19,10 +19,13 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_a_throttled_node_is_named_then_replaced_and_a_healthy_job_names_nobody(tmp_path):
-    """Naming (item 3): four agents; after 12 s of healthy training the last node's workers get a quarter
-    of their CPU time, and it is named with its pod. Replacing (item 4, metrics.straggler_policy=replace):
-    the named node taints itself on the API server and leaves; the others go on from memory at the step
-    they had, and a fresh node joins. (One drill for both: each costs a minute of agents starting.)"""
+    """Naming (item 3): four agents; after 12 s of healthy training the last node's workers get 15 % of
+    their CPU time, and it is named with its pod. (Its own step time then stands 3.4 to 3.8 times the
+    median on 2 busy cores, well over the drills' margin: at 25 % it stood 1.8 to 1.9 times, and one
+    noisy window put the naming off; see STRAGGLER_DRILL_MARGIN.) Replacing (item 4,
+    metrics.straggler_policy=replace): the named node taints itself on the API server and leaves; the
+    others go on from memory at the step they had, and a fresh node joins. (One drill for both: each
+    costs a minute of agents starting.)"""
     server = FakeApiServer()
     try:
         for name in ("n00", "n01", "n02", "n03", "n04"):
@@ -31,7 +34,7 @@ def test_a_throttled_node_is_named_then_replaced_and_a_healthy_job_names_nobody(
                 "spec": {"taints": [{"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}]}}
         config = kubeconfig(tmp_path / "kubeconfig", server.url)
         work = tmp_path / "job"
-        result = straggler_drill(work, agents=4, healthy_s=12, slowed_s=90, log_every_steps=20, share=0.25,
+        result = straggler_drill(work, agents=4, healthy_s=12, slowed_s=90, log_every_steps=20, share=0.15,
                                  kubeconfig=Path(config), after_s=10)
     finally:
         server.httpd.shutdown()
@@ -41,7 +44,9 @@ def test_a_throttled_node_is_named_then_replaced_and_a_healthy_job_names_nobody(
     assert named and named[0]["pod"] == result.slowed_pod, notes
     assert named[0]["times_median"] > 1.5 and named[0]["windows"] == 2
     # Named at the second report after the slowdown began, or the third when it began mid-window.
-    assert result.windows_to_name <= 3
+    windows = [(e["step"], e.get("slowest_pod"), round(e["rank_step_s"]["max"] / e["rank_step_s"]["median"], 2))
+               for e in events(work, "step") if e["step"] > result.slowed_at_step and "rank_step_s" in e]
+    assert result.windows_to_name <= 3, windows  # each window's slowest pod and its time over the median
     steps = [e for e in events(work, "step") if e["step"] >= named[0]["step"]]
     assert steps[0]["slowest_pod"] == result.slowed_pod and steps[0]["rank_step_s"]["max"] > steps[0]["rank_step_s"][
         "median"]
