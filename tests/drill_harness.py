@@ -522,8 +522,8 @@ def _kill_moment(work: Path, moment: str) -> bool:
 # healthy window at up to 1.27 times the median with 64 px inputs (12 windows, 4 agents; 1.44 at the
 # p99 of 108 windows with 16 px ones, 2026-11-27). A node held to a share of the CPU shows less than
 # 1/share: the healthy ranks' own times are stretched too, by the four of them sharing 2 cores. With a
-# spinning process beside the drill (2026-11-28): a quarter showed 1.8 to 1.9 (1.4 to 1.9 before the
-# throttle kept its share, and CI once named the node at the fifth window, not the second), 0.15 showed
+# spinning process beside the drill (2026-11-28): a quarter showed 1.8 to 1.9 (before the throttle kept
+# its share, even a tenth showed only 1.4 to 1.9, and CI once named the node at the fifth window), 0.15 showed
 # 3.4 to 3.8, a tenth 8 to 10. The shipped default (0.25) is for real nodes, each with cores of its own.
 STRAGGLER_DRILL_MARGIN = 0.5
 
@@ -571,8 +571,7 @@ def throttle(pids: list[int], stop: threading.Event, share: float = 0.25, period
 
     The stop that ends a run comes late on a loaded machine (this thread waits for a core too), so each
     pause is sized from the run as it really was: the share holds however late the thread wakes. Sized
-    from the intended run alone, a drill on two busy cores gave the node about half its time, not the
-    quarter asked."""
+    from the intended run alone, on two busy cores a node asked down to a tenth slowed the job only 2×."""
     try:
         while not stop.is_set():
             resumed = time.monotonic()
