@@ -81,8 +81,8 @@ diff-offline: synth
 	    --fail-on destructive || status=1; \
 	done; exit $$status
 
-# The unit tests on every core (pytest-xdist, each test to the next free worker: finer than a module
-# a worker, and faster here; --dist loadgroup is inert under pytest 9.2, see docs/development.md),
+# The unit tests on every core (pytest-xdist: tests/unit/cdk/ to one worker as one unit, so each CDK
+# config is synthesized once, every other test to the next free worker; see docs/development.md),
 # then the drills one at a time: each drill's agents and trainers already keep both cores busy, and
 # its disruptions are timed. Both always run; the target fails if either did.
 # auto: a worker per core this process may use, at most 4: each one holds CDK, cdk8s and torch

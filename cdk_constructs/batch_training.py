@@ -5,7 +5,7 @@ trainer image with FSx for Lustre, the GPUs, the EFA devices, shared memory and 
 
 Sources: AWS Batch User Guide ("Multi-node parallel jobs", "Use EFA with multi-node parallel
 jobs", "Launch template support"), the Batch API model in botocore (RegisterJobDefinition,
-CreateComputeEnvironment; tests/unit/test_batch.py validates the job definition against it), FSx for
+CreateComputeEnvironment; tests/unit/cdk/test_batch.py validates the job definition against it), FSx for
 Lustre User Guide ("Installing the Lustre client": ``dnf install lustre-client`` on AL2023).
 """
 

@@ -135,7 +135,7 @@ class ClusterCharts(Construct):
         """Each plugin's DaemonSet exists and its controller has reconciled it (a deploy fails otherwise).
 
         With no accelerated node up, ready is vacuous; where the DaemonSets may run is held to
-        the node groups' labels offline (tests/unit/test_first_deploy.py).
+        the node groups' labels offline (tests/unit/cdk/test_first_deploy.py).
         """
         checks = []
         for name, chart in plugins.items():

@@ -4,7 +4,7 @@ synth, offline, instead of minutes into a deploy.
 AZ names are per account (``us-west-2a`` is a different zone in two accounts) and a few zones are
 closed to new accounts; ``trainctl preflight`` asks EC2 which of them offer the instance types.
 This table only says which names exist. It is kept equal to moto's Region data (moto 5.2.5,
-moto/ec2/models/availability_zones_and_regions.py), which tests/unit/test_config_checks.py checks.
+moto/ec2/models/availability_zones_and_regions.py), which tests/unit/cdk/test_config_checks.py checks.
 """
 
 from __future__ import annotations

@@ -78,6 +78,6 @@ def semver(version: str) -> tuple[int, int, int]:
 # provider template the stack nests (https://<region>-aws-parallelcluster.s3.<region>.<suffix>/parallelcluster/
 # <version>/templates/custom_resource/cluster.yaml, "Provider stack hosted by AWS ParallelCluster" in the
 # ParallelCluster User Guide) and the schema requirements-pcluster.txt installs to check the generated
-# configuration offline; tests/unit/test_slurm_stack.py holds the two together. 3.16.1: the newest release on
+# configuration offline; tests/unit/cdk/test_slurm_stack.py holds the two together. 3.16.1: the newest release on
 # PyPI, and the version the provider-stack page of the User Guide shows.
 PARALLELCLUSTER_VERSION = "3.16.1"

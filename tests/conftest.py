@@ -14,10 +14,11 @@ import yaml
 from aws_cdk import App
 from aws_cdk.assertions import Template
 
-from config import PlatformConfig, parse_config
+from config import CATALOG, PlatformConfig, parse_config
 from stacks import build_platform
 from stacks.app_factory import cli_context
 from trainctl.backends.local_cluster import LocalEtcd
+from xdist.scheduler import LoadScopeScheduling
 
 pytest_plugins = ["tests.module_times"]
 
@@ -130,6 +131,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+# Every accelerated type in the catalog, a node group each (named after its type), in one config: the
+# tests of what each type's launch template holds read one synthesis, not one a type (each synthesis
+# costs about a second of a core, and xdist's workers repeat what they both need).
+EVERY_ACCELERATED_TYPE = config_variant(accelerated_node_groups=[
+    {"name": instance_type.replace(".", "-"), "instance_type": instance_type,
+     "min_size": 0, "desired_size": 0, "max_size": 2}
+    for instance_type, facts in CATALOG.items() if facts.is_accelerated
+])
+
+
 @pytest.fixture
 def etcd_server():
     """A real etcd on loopback with the v2 API, as torchrun's etcd-v2 backend needs."""
@@ -157,3 +168,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.is_relative_to(DRILLS):
             item.add_marker(pytest.mark.slow)
+
+
+
+# tests/unit/cdk/ holds the unit modules that build CDK constructs (test_project_layout keeps it so).
+# CDK runs each process's constructs in a jsii (Node.js) runtime of its own: the first synthesis in a
+# process costs about 6 s and each config about 1 s more, and xdist's workers cannot share either. So
+# under `pytest -n` those modules go to one worker as one unit, which synthesizes each config once,
+# while the other workers take every other test one by one (xdist's default). xdist's own
+# `--dist loadgroup` cannot do this under pytest 9.2: it marks a group by rewriting `item._nodeid`,
+# which pytest 9.2 no longer reads (it reads `item._id`).
+CDK_UNIT_TESTS = "tests/unit/cdk/"
+
+
+class CdkModulesOnOneWorker(LoadScopeScheduling):
+    """xdist's scope scheduler with two kinds of scope: all of tests/unit/cdk/, and each other test."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return CDK_UNIT_TESTS if nodeid.startswith(CDK_UNIT_TESTS) else nodeid
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    # Only in place of the default (`-n` alone): an explicit --dist is the caller's choice.
+    return CdkModulesOnOneWorker(config, log) if config.getoption("dist") == "load" else None

@@ -1,6 +1,6 @@
 """cfn-lint over every synthesized template, the pipeline's stages included (3-10 s a template set).
 
-With the snapshots and cdk-nag in tests/unit/test_templates.py; here because it runs a whole tool
+With the snapshots and cdk-nag in tests/unit/cdk/test_templates.py; here because it runs a whole tool
 over whole templates, as checkov does in test_checkov.py.
 """
 
@@ -12,7 +12,7 @@ import pytest
 from cfnlint.api import ManualArgs, lint_file
 
 from tests.conftest import VARIANTS
-from tests.unit.test_pipeline_stack import synth_pipeline
+from tests.unit.cdk.test_pipeline_stack import synth_pipeline
 
 # cfn-lint findings accepted, each with its scope (a logical-id prefix, or None for every
 # resource) and the reason.

@@ -121,8 +121,10 @@ def test_log_retention_choices_match_cdk():
 def described_by_ec2() -> dict[str, dict]:
     """EC2's DescribeInstanceTypes answer for every catalog type that moto's copy of it holds."""
     with mock_aws():
-        pages = boto3.client("ec2", region_name="us-west-2").get_paginator("describe_instance_types").paginate()
-        return {t["InstanceType"]: t for page in pages for t in page["InstanceTypes"] if t["InstanceType"] in CATALOG}
+        # Filtered by name, as EC2 itself takes it: moto then answers in a tenth of a second, not six.
+        pages = boto3.client("ec2", region_name="us-west-2").get_paginator("describe_instance_types").paginate(
+            Filters=[{"Name": "instance-type", "Values": list(CATALOG)}])
+        return {t["InstanceType"]: t for page in pages for t in page["InstanceTypes"]}
 
 
 def test_the_catalog_agrees_with_ec2(described_by_ec2):

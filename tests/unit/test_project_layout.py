@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 import re
@@ -285,4 +286,25 @@ def test_every_test_module_is_a_unit_test_or_a_drill():
     `make test-fast` nor as a marked drill."""
     assert sorted(path.name for path in (REPO / "tests").glob("test_*.py")) == []
     folders = {path.parent.relative_to(REPO / "tests").as_posix() for path in (REPO / "tests").rglob("test_*.py")}
-    assert folders == {"unit", "drills"}
+    assert folders == {"unit", "unit/cdk", "drills"}
+
+
+def builds_constructs(path: Path) -> bool:
+    """Imports aws_cdk, or a test or fixture takes the synth fixture (tests/conftest.py)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "aws_cdk":
+            return True
+        if isinstance(node, ast.Import) and any(alias.name.split(".")[0] == "aws_cdk" for alias in node.names):
+            return True
+        if isinstance(node, ast.FunctionDef) and any(arg.arg == "synth" for arg in node.args.args):
+            return True
+    return False
+
+
+def test_the_unit_modules_that_build_constructs_are_the_ones_in_tests_unit_cdk():
+    """xdist runs tests/unit/cdk/ on one worker (tests/conftest.py, CdkModulesOnOneWorker): a module that
+    synthesizes outside it would start a second jsii runtime and repeat the configs there."""
+    unit = REPO / "tests" / "unit"
+    assert sorted(p.name for p in unit.glob("test_*.py") if builds_constructs(p)) == []
+    assert sorted(p.name for p in (unit / "cdk").glob("test_*.py") if not builds_constructs(p)) == []

@@ -90,7 +90,7 @@ def test_stages_follow_the_config_with_approval_before_prod(pipeline):
 
 def test_self_mutation_and_asset_publishing_install_the_repos_pinned_cli_and_cdk_assets(pipeline):
     _, _, template, _ = pipeline
-    package = json.loads((Path(__file__).resolve().parents[2] / "package.json").read_text())["devDependencies"]
+    package = json.loads((Path(__file__).resolve().parents[3] / "package.json").read_text())["devDependencies"]
     installs = {c for p in resources(template, "AWS::CodeBuild::Project")
                 for phase in json.loads(p["Source"]["BuildSpec"])["phases"].values()
                 for c in phase.get("commands", []) if c.startswith("npm install")}

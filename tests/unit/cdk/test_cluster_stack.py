@@ -9,7 +9,7 @@ import pytest
 from config import CATALOG
 from config.catalog import ACCELERATED_ROLE, NODE_ROLE_LABEL
 from k8s_charts.node_check import NODE_CHECK_NAMESPACE, NODE_CHECK_SERVICE_ACCOUNT
-from tests.conftest import VARIANTS, config_variant
+from tests.conftest import EVERY_ACCELERATED_TYPE, VARIANTS, config_variant
 from training.contract import NODE_CHECK_TAINT
 
 HELM = "Custom::AWSCDK-EKS-HelmChart"
@@ -219,12 +219,16 @@ def test_training_pods_get_the_trainer_role_and_only_the_buckets_prefixes(exampl
     assert "/datasets/*" in object_resources and "/checkpoints/*" in object_resources
 
 
+def launch_template_data(result, instance_type: str) -> dict:
+    """The one launch template for ``instance_type`` in the cluster's template."""
+    (launch,) = [p["LaunchTemplateData"] for p in props(result, "AWS::EC2::LaunchTemplate")
+                 if p["LaunchTemplateData"].get("InstanceType") == instance_type]
+    return launch
+
+
 @pytest.mark.parametrize("instance_type", [t for t, f in CATALOG.items() if f.is_accelerated])
 def test_every_accelerated_type_synthesizes_as_a_node_group(synth, instance_type):
-    group = {"name": "g", "instance_type": instance_type, "min_size": 0, "desired_size": 0, "max_size": 2}
-    result = synth(config_variant(accelerated_node_groups=[group]))
-    launch = next(p for p in props(result, "AWS::EC2::LaunchTemplate")
-                  if p["LaunchTemplateData"].get("InstanceType") == instance_type)["LaunchTemplateData"]
+    launch = launch_template_data(synth(EVERY_ACCELERATED_TYPE), instance_type)
     assert len(launch.get("NetworkInterfaces", [])) == CATALOG[instance_type].efa_interfaces
 
 

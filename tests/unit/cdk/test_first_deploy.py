@@ -22,8 +22,8 @@ from config import CATALOG, ConfigError, parse_config
 from config.catalog import INSTANCE_TYPE_LABEL
 from config.cluster import SUPPORTED_KUBERNETES_VERSIONS
 from config.versions import ADDON_VERSIONS, CLUSTER_AUTOSCALER_CHARTS, MIN_VPC_CNI_FOR_EFA_ONLY, autoscaler_minor, semver
-from tests.conftest import VARIANTS, config_variant
-from tests.unit.test_cluster_stack import HELM, helm_charts, props, resources, values
+from tests.conftest import EVERY_ACCELERATED_TYPE, VARIANTS, config_variant
+from tests.unit.cdk.test_cluster_stack import HELM, helm_charts, launch_template_data, props, resources, values
 from tests.upstream_charts import NVIDIA_0_17_1_DEFAULT_AFFINITY, PLACEMENT, schedulable_on
 
 DEVICE_PLUGINS = {"nvidia-device-plugin": "nvidia", "neuron-helm-chart": "neuron", "aws-efa-k8s-device-plugin": "efa"}
@@ -242,11 +242,7 @@ def test_the_ebs_csi_driver_and_an_encrypted_gp3_class_exist_before_etcd(example
 
 @pytest.mark.parametrize("instance_type", [t for t, f in CATALOG.items() if f.supports_efa])
 def test_secondary_cards_take_efa_only_interfaces_where_the_type_supports_them(synth, instance_type):
-    group = {"name": "g", "instance_type": instance_type, "min_size": 0, "desired_size": 0, "max_size": 2}
-    result = synth(config_variant(accelerated_node_groups=[group]))
-    launch = next(p for p in props(result, "AWS::EC2::LaunchTemplate")
-                  if p["LaunchTemplateData"].get("InstanceType") == instance_type)["LaunchTemplateData"]
-    interfaces = launch["NetworkInterfaces"]
+    interfaces = launch_template_data(synth(EVERY_ACCELERATED_TYPE), instance_type)["NetworkInterfaces"]
     assert (interfaces[0]["InterfaceType"], interfaces[0]["DeviceIndex"]) == ("efa", 0)
     expected = ("efa-only", 0) if CATALOG[instance_type].efa_only_secondary else ("efa", 1)
     assert all((i["InterfaceType"], i["DeviceIndex"]) == expected for i in interfaces[1:])
