@@ -349,15 +349,17 @@ def etcd_metrics(endpoint: str, names: tuple[str, ...] = ETCD_COUNTERS) -> dict[
 
 def scale_drill(work: Path, agents: int, spread_s: float = 0.0, steady_s: float = 30.0, kill: bool = True,
                 tuning=None, samples: int = 2_000_000, timeout_s: float = 600,
-                env: dict[str, str] | None = None) -> ScaleResult:
+                env: dict[str, str] | None = None, steps_per_s: float | None = None) -> ScaleResult:
     """``agents`` nodes arrive (at once, or evenly over ``spread_s``), train steadily for ``steady_s``,
-    then one is SIGKILLed. Every agent runs the pod's command (``python -m training.launcher``)."""
+    then one is SIGKILLed. Every agent runs the pod's command (``python -m training.launcher``).
+    ``steps_per_s`` holds the full world to that pace (:func:`paced`; None: as fast as the cores allow)."""
     from training.contract import PLATFORM_TUNING
 
     work.mkdir(parents=True, exist_ok=True)
     result = ScaleResult(agents, spread_s)
     running: list[Agent] = []
-    args = [*trainer_args(work, samples), "--train.log_every_steps=1"]  # a step event for every step
+    args = [*trainer_args(work, samples), "--train.log_every_steps=1",  # a step event for every step
+            *paced(steps_per_s, agents)]
     with LocalEtcd() as endpoint:
         try:
             first = time.time()

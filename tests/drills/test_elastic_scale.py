@@ -11,15 +11,20 @@ from dataclasses import replace
 
 import pytest
 
-from tests.drill_harness import GLOBAL_BATCH, events, sample_coverage, scale_drill, trainer_args
+from tests.drill_harness import GLOBAL_BATCH, events, paced, sample_coverage, scale_drill, trainer_args
 from training.contract import EXIT_STOPPED, NODE_LABELS_FILE_ENV, PLATFORM_TUNING, network_node_label
 from trainctl.backends.local_cluster import Agent, LocalEtcd, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
+# Each job is held to 20 steps/s at its full size (data.synthetic_samples_per_s): these drills wait on
+# arrivals, rounds and kills, not on steps (the most any waits for is 20), and an unpaced job trains
+# as fast as the cores allow, which slows the very agent starts the drills wait for.
+PACE_STEPS_PER_S = 20
+
 
 def test_four_agents_arriving_at_once_reach_full_size_train_steadily_and_survive_a_kill(tmp_path):
-    result = scale_drill(tmp_path, 4, steady_s=15)
+    result = scale_drill(tmp_path, 4, steady_s=15, steps_per_s=PACE_STEPS_PER_S)
     assert result.full_world_s is not None, "\n".join(result.warnings)
     # Started together, they join one round; on a loaded machine one may come after the last call
     # and is then admitted once: never a restart per arrival.
@@ -33,7 +38,7 @@ def test_agents_arriving_one_by_one_are_admitted_in_batches(tmp_path):
     # Four arrivals 4 s apart with admission after 6 s of training: one restart per arrival would
     # be three; batching admits them in at most two.
     result = scale_drill(tmp_path, 4, spread_s=12, steady_s=5, kill=False,
-                         tuning=replace(PLATFORM_TUNING, scale_up_after_s=6))
+                         tuning=replace(PLATFORM_TUNING, scale_up_after_s=6), steps_per_s=PACE_STEPS_PER_S)
     assert result.full_world_s is not None, "\n".join(result.warnings)
     assert result.restarts <= 2, "\n".join(result.warnings)
     sizes = [e["world_size"] for e in events(tmp_path, "rendezvous")]
@@ -42,7 +47,7 @@ def test_agents_arriving_one_by_one_are_admitted_in_batches(tmp_path):
 
 def test_an_agent_started_while_etcd_is_down_waits_and_a_second_joins_it(tmp_path):
     etcd = LocalEtcd()
-    args = trainer_args(tmp_path, 400_000)
+    args = [*trainer_args(tmp_path, 400_000), *paced(PACE_STEPS_PER_S, 2)]
     agents = [Agent("a", etcd.endpoint, "etcd-late", tmp_path, args, max_nodes=2)]
     try:
         time.sleep(15)  # etcd is away for its first 15 s
@@ -62,7 +67,7 @@ def test_a_scale_up_keeps_the_survivors_workers_and_loses_no_step(tmp_path, etcd
     """Beyond torchrun: the running members' workers stay up through an admission. They stop at
     one step, leave their process group, and join the bigger round in place; only the newcomer
     starts a worker, and it receives the state from a survivor: nobody reads a checkpoint."""
-    args = trainer_args(tmp_path, 400_000)
+    args = [*trainer_args(tmp_path, 400_000), *paced(PACE_STEPS_PER_S, 4)]
     agents = [Agent(name, etcd_module, "in-place", tmp_path, args, max_nodes=4) for name in "ab"]
     try:
         wait_until(lambda: len([e for e in events(tmp_path, "step") if e["world_size"] == 2]) >= 20,
@@ -119,7 +124,7 @@ def test_a_newcomer_takes_its_place_in_the_network_order_and_no_sample_is_traine
     c's admission puts it at rank 1, between the survivors, and b moves to rank 2: a survivor's rank
     changes in place. Nothing is lost and no sample is trained twice."""
     networks = {"a": ("nn-1", "nn-1a", "nn-1a1"), "b": ("nn-2", "nn-2a", "nn-2a1"), "c": ("nn-1", "nn-1a", "nn-1a1")}
-    args = trainer_args(tmp_path, 400_000)
+    args = [*trainer_args(tmp_path, 400_000), *paced(PACE_STEPS_PER_S, 3)]
 
     def agent(name: str) -> Agent:
         labels = tmp_path / f"{name}-labels.json"
