@@ -170,7 +170,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-
 # tests/unit/cdk/ holds the unit modules that build CDK constructs (test_project_layout keeps it so).
 # CDK runs each process's constructs in a jsii (Node.js) runtime of its own: the first synthesis in a
 # process costs about 6 s and each config about 1 s more, and xdist's workers cannot share either. So
@@ -190,5 +189,5 @@ class CdkModulesOnOneWorker(LoadScopeScheduling):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    # Only in place of the default (`-n` alone): an explicit --dist is the caller's choice.
+    # In place of xdist's `load` (`-n` alone, or `--dist load`); any other --dist is the caller's choice.
     return CdkModulesOnOneWorker(config, log) if config.getoption("dist") == "load" else None

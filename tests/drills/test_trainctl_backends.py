@@ -24,7 +24,7 @@ import yaml
 from tests import trainctl_fixtures
 from tests.conftest import REPO
 from tests.slurm_cluster import SlurmCluster, missing
-from tests.unit import test_batch
+from tests.unit.cdk import test_batch
 from tests.trainctl_fixtures import one_error
 from trainctl.__main__ import build_parser, main
 from trainctl.backends import BACKENDS, JOB_COMMANDS, load

@@ -77,6 +77,19 @@ def test_a_null_in_helm_values_stops_synth_with_the_path():
         ClusterCharts._chart(charts, "X", "nvidia-device-plugin", "repo", "0.17.1", "kube-system", {"affinity": None})
 
 
+# A cluster whose groups lack a family or EFA: the named variants all mix families, and
+# EVERY_ACCELERATED_TYPE holds every family, so these two keep the "left out" branches synthesized.
+@pytest.mark.parametrize("instance_type", ["trn1.32xlarge", "g5.xlarge"])
+def test_a_cluster_gets_the_device_plugins_of_its_groups_and_no_other(synth, instance_type):
+    group = {"name": "g", "instance_type": instance_type, "min_size": 0, "desired_size": 0, "max_size": 2}
+    result = synth(config_variant(accelerated_node_groups=[group]))
+    (config,) = result.config.accelerated_node_groups
+    expected = {chart: config.efa_enabled if device == "efa" else config.instance.accelerator.value == device
+                for chart, device in DEVICE_PLUGINS.items()}
+    assert {chart: chart in helm_charts(result) for chart in DEVICE_PLUGINS} == expected
+    assert not all(expected.values())  # Neuron with EFA and no NVIDIA; NVIDIA without EFA or Neuron
+
+
 @pytest.mark.parametrize("variant", ["example", "every-family"])
 def test_each_device_plugin_runs_exactly_on_the_nodes_that_have_its_device(synth, variant):
     result = synth(VARIANTS[variant])
