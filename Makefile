@@ -83,15 +83,17 @@ diff-offline: synth
 
 # The unit tests on every core (pytest-xdist: tests/unit/cdk/ to one worker as one unit, so each CDK
 # config is synthesized once, every other test to the next free worker; see docs/development.md),
-# then the drills one at a time: each drill's agents and trainers already keep both cores busy, and
-# its disruptions are timed. Both always run; the target fails if either did.
+# then the drills on two workers, a module each: the untimed ones (whole tools, the CLI against
+# stand-ins, fixed-input checks) two at a time and first, every other drill alone, since its agents
+# and trainers keep both cores busy and its disruptions are timed (tests/machine_turns.py). Both always
+# run; the target fails if either did.
 # auto: a worker per core this process may use, at most 4: each one holds CDK, cdk8s and torch
 # in memory and starts its own jsii kernel.
 TEST_WORKERS ?= auto
 test: setup-test
 	unit=0; drills=0; \
 	$(PY) -m pytest tests/unit -n $(TEST_WORKERS) --maxprocesses=4 || unit=$$?; \
-	$(PY) -m pytest tests/drills || drills=$$?; \
+	$(PY) -m pytest tests/drills -n 2 --no-loadscope-reorder || drills=$$?; \
 	exit $$(( unit || drills ))
 
 # The trainer's Neuron path (train.device=neuron: torch_xla, the xla process group) on torch-xla's

@@ -20,7 +20,7 @@ from stacks.app_factory import cli_context
 from trainctl.backends.local_cluster import LocalEtcd
 from xdist.scheduler import LoadScopeScheduling
 
-pytest_plugins = ["tests.module_times"]
+pytest_plugins = ["tests.module_times", "tests.machine_turns"]
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "config" / "example.yaml"
@@ -174,20 +174,28 @@ def pytest_collection_modifyitems(config, items):
 # CDK runs each process's constructs in a jsii (Node.js) runtime of its own: the first synthesis in a
 # process costs about 6 s and each config about 1 s more, and xdist's workers cannot share either. So
 # under `pytest -n` those modules go to one worker as one unit, which synthesizes each config once,
-# while the other workers take every other test one by one (xdist's default). xdist's own
+# while the other workers take every other unit test one by one (xdist's default). A drill module is a
+# unit of its own: its module fixtures (a drill's agents, a Slurm cluster) run once, on one worker, and
+# tests/machine_turns.py decides which drills may run side by side. xdist's own
 # `--dist loadgroup` cannot do this under pytest 9.2: it marks a group by rewriting `item._nodeid`,
 # which pytest 9.2 no longer reads (it reads `item._id`).
 CDK_UNIT_TESTS = "tests/unit/cdk/"
 
 
-class CdkModulesOnOneWorker(LoadScopeScheduling):
-    """xdist's scope scheduler with two kinds of scope: all of tests/unit/cdk/, and each other test."""
+DRILL_TESTS = "tests/drills/"
+
+
+class SuiteScopes(LoadScopeScheduling):
+    """xdist's scope scheduler with three kinds of scope: all of tests/unit/cdk/, each drill module, and
+    each other unit test."""
 
     def _split_scope(self, nodeid: str) -> str:
-        return CDK_UNIT_TESTS if nodeid.startswith(CDK_UNIT_TESTS) else nodeid
+        if nodeid.startswith(CDK_UNIT_TESTS):
+            return CDK_UNIT_TESTS
+        return nodeid.split("::", 1)[0] if nodeid.startswith(DRILL_TESTS) else nodeid
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     # In place of xdist's `load` (`-n` alone, or `--dist load`); any other --dist is the caller's choice.
-    return CdkModulesOnOneWorker(config, log) if config.getoption("dist") == "load" else None
+    return SuiteScopes(config, log) if config.getoption("dist") == "load" else None

@@ -11,6 +11,9 @@ import pytest
 from tests.conftest import REPO
 from training.diagnostics.allreduce import TransportError, bus_bandwidth, check_efa, nccl_transport, sizes
 
+# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+pytestmark = pytest.mark.untimed
+
 # Shapes of the lines NCCL 2.2x and aws-ofi-nccl 1.x write at init with NCCL_DEBUG=INFO.
 ON_EFA = """\
 ip-10-0-1-5:79:79 [0] NCCL INFO Bootstrap : Using eth0:10.0.1.5<0>

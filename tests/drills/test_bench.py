@@ -10,6 +10,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from training.config import load_train_config
 from training.diagnostics.throughput import bare_loop
 
+# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+pytestmark = pytest.mark.untimed
+
 
 def _config(optimizer: str, *more: str):
     return load_train_config(None, [

@@ -14,6 +14,9 @@ from cfnlint.api import ManualArgs, lint_file
 from tests.conftest import VARIANTS
 from tests.unit.cdk.test_pipeline_stack import synth_pipeline
 
+# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+pytestmark = pytest.mark.untimed
+
 # cfn-lint findings accepted, each with its scope (a logical-id prefix, or None for every
 # resource) and the reason.
 ACCEPTED_CFN_LINT = [

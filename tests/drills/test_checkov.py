@@ -22,7 +22,8 @@ from tests.conftest import REPO, VARIANTS
 from tests.unit.test_charts import RENDERED
 
 CHECKOV = Path(os.environ.get("CHECKOV", REPO / ".venv-checkov" / "bin" / "checkov"))
-pytestmark = pytest.mark.timeout(300)
+# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+pytestmark = [pytest.mark.untimed, pytest.mark.timeout(300)]
 
 
 def checkov(directory: Path, framework: str) -> dict:

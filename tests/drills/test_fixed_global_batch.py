@@ -13,7 +13,8 @@ from training.config import load_train_config
 from trainctl.backends.local_cluster import free_port
 from training.loop.trainer import Trainer
 
-pytestmark = pytest.mark.timeout(180)
+# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+pytestmark = [pytest.mark.untimed, pytest.mark.timeout(180)]
 STEPS = 3
 
 

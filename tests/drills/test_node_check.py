@@ -27,6 +27,9 @@ from training.contract import (
 from training.node_check import checks
 from training.node_check.node_api import instance_id, verdict_patch
 
+# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+pytestmark = pytest.mark.untimed
+
 OUTPUTS = REPO / "tests" / "node_check_outputs"
 CONFIG = parse_config(example_data())
 EXPECTED = expected_devices(CONFIG)

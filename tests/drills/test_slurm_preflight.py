@@ -22,6 +22,9 @@ from trainctl.preflight import (
     cluster_stack_check, head_node_ssm_check, quota_checks, slurm_checks, slurm_quota_groups, slurm_stack_checks,
 )
 
+# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+pytestmark = pytest.mark.untimed
+
 aws = test_slurm_transport.aws
 head = test_slurm_transport.head
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)

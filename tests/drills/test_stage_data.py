@@ -18,6 +18,9 @@ from trainctl import stage
 from trainctl.__main__ import _s3_pool
 from trainctl.errors import UserError
 
+# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+pytestmark = pytest.mark.untimed
+
 LATENCY_S = 0.02
 
 

@@ -15,7 +15,8 @@ from k8s_charts.node_runtime import HOW_TO_GET_IT
 from tests.conftest import REPO
 
 CDK = REPO / "node_modules" / ".bin" / "cdk"
-pytestmark = pytest.mark.timeout(300)
+# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+pytestmark = [pytest.mark.untimed, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

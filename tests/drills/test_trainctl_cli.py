@@ -9,11 +9,15 @@ import sys
 import urllib.parse
 
 import boto3
+import pytest
 from moto import mock_aws
 
 from tests import trainctl_fixtures
 from tests.conftest import REPO
 from tests.unit.test_trainctl_kube import CONFIG
+
+# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+pytestmark = pytest.mark.untimed
 
 # The fixtures of tests/trainctl_fixtures.py (shared with test_operator_safety), under the names the tests ask for.
 server = trainctl_fixtures.server

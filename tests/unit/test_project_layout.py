@@ -303,8 +303,35 @@ def builds_constructs(path: Path) -> bool:
 
 
 def test_the_unit_modules_that_build_constructs_are_the_ones_in_tests_unit_cdk():
-    """xdist runs tests/unit/cdk/ on one worker (tests/conftest.py, CdkModulesOnOneWorker): a module that
+    """xdist runs tests/unit/cdk/ on one worker (tests/conftest.py, SuiteScopes): a module that
     synthesizes outside it would start a second jsii runtime and repeat the configs there."""
     unit = REPO / "tests" / "unit"
     assert sorted(p.name for p in unit.glob("test_*.py") if builds_constructs(p)) == []
     assert sorted(p.name for p in (unit / "cdk").glob("test_*.py") if not builds_constructs(p)) == []
+
+
+# What starts the timed machinery of a drill: the drills' harness, a Slurm cluster, agents and etcd members
+# (a module's names, or None for any).
+TIMED_MACHINERY = {"tests.drill_harness": None, "tests.slurm_cluster": None,
+                   "trainctl.backends.local_cluster": {"Agent", "LocalEtcd", "LocalEtcdCluster"}}
+
+
+def imports_timed_machinery(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module in TIMED_MACHINERY:
+            names = TIMED_MACHINERY[node.module]
+            if names is None or names & {alias.name for alias in node.names}:
+                return True
+    return False
+
+
+def marked_untimed(path: Path) -> bool:
+    return "pytest.mark.untimed" in path.read_text()
+
+
+def test_no_drill_that_runs_agents_etcd_or_slurm_is_marked_untimed():
+    """An untimed drill runs beside another under `pytest -n` (tests/machine_turns.py); one that runs agents,
+    etcd or Slurm waits on them with deadlines, and must have the machine to itself."""
+    drills = sorted((REPO / "tests" / "drills").glob("test_*.py"))
+    assert [p.name for p in drills if marked_untimed(p) and imports_timed_machinery(p)] == []
+    assert len([p for p in drills if marked_untimed(p)]) == 16  # tests/machine_turns.py's docstring names what they are
