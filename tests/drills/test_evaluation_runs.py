@@ -25,7 +25,8 @@ from training.loop.metrics import MetricsWriter
 from training.loop.trainer import Trainer
 from training.models import build_model
 
-pytestmark = pytest.mark.timeout(240)
+# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+pytestmark = [pytest.mark.untimed, pytest.mark.timeout(240)]
 
 
 # --- one process or two: the same figures -------------------------------------------------------

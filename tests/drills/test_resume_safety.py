@@ -18,7 +18,9 @@ import torch
 from tests.conftest import REPO
 from training.contract import EXIT_CONFIG, EXIT_DIVERGED
 
-pytestmark = pytest.mark.timeout(300)
+# untimed (tests/machine_turns.py): under -n it runs beside another untimed drill. Its one deadline (a refused
+# launch ends within 60 s, where one takes about 8 s) is there to catch torchrun's restarts, not a slow machine
+pytestmark = [pytest.mark.untimed, pytest.mark.timeout(300)]
 
 # Run at the start of every interpreter of the launch (a sitecustomize): the agent, the forkserver its
 # workers come from (training/launcher/workers.py), and so every worker: which rank opens which checkpoint.

@@ -21,6 +21,9 @@ CPUS = len(os.sched_getaffinity(0))
 sys.path.insert(0, str(BENCHMARK.parent))
 import throughput  # noqa: E402 - benchmarks/ is no package: imported from its folder, after the path insert
 
+# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+pytestmark = pytest.mark.untimed
+
 
 @pytest.mark.skipif(CPUS < 2, reason="needs a CPU to leave out")
 def test_what_the_run_starts_inherits_the_confinement():

@@ -334,4 +334,3 @@ def test_no_drill_that_runs_agents_etcd_or_slurm_is_marked_untimed():
     etcd or Slurm waits on them with deadlines, and must have the machine to itself."""
     drills = sorted((REPO / "tests" / "drills").glob("test_*.py"))
     assert [p.name for p in drills if marked_untimed(p) and imports_timed_machinery(p)] == []
-    assert len([p for p in drills if marked_untimed(p)]) == 16  # tests/machine_turns.py's docstring names what they are
