@@ -3,28 +3,29 @@
 Most drills time what they do to a job: a node killed and the next round formed within a budget, a
 stall under a second, an agent that must arrive before a deadline. Two of them side by side on a
 2-core machine make each other late (9 timed drills failed when the drills last ran three at a time).
-The others (whole tools over the templates, the CLI against stand-ins, models and decoders checked on
-fixed inputs: the modules marked ``untimed``) only need CPU, and two of them side by side finish in
-about half the time.
+The modules marked ``untimed`` (whole tools over the templates, the CLI against stand-ins, models and
+decoders checked on fixed inputs) hold nothing a busy neighbour could break: they only need CPU, and
+two of them side by side finish in about half the time.
 
 So each xdist worker takes a turn on the machine through two ``flock`` locks in a folder the run's
 workers share:
 
-- a drill module not marked ``untimed`` holds the machine lock exclusively from its first test's
-  setup to its last test's teardown (its module fixtures run agents across its tests);
-- an ``untimed`` test holds it shared, for that test alone;
-- a turnstile lets a timed module in before further untimed tests (writer preference): without it
-  two workers passing untimed tests back and forth could keep a timed module waiting for good.
+- a timed drill module (under tests/drills/, its module not marked ``untimed``) holds the machine lock
+  exclusively from its first test's setup to its last test's teardown (its module fixtures run agents
+  across its tests);
+- every other test (an untimed drill, a unit test in a run that mixes them with drills) holds it
+  shared, for that test alone;
+- a turnstile lets a timed module in before further shared tests (writer preference): without it two
+  workers passing shared tests back and forth could keep a timed module waiting for good.
 
 The wait happens outside pytest-timeout's clock (this wrapper runs first) and outside the test's
-reported duration. Without xdist (``pytest tests/drills``, one test, a debugger) there is nothing to
-share and the plugin does nothing; unit tests never wait.
+reported duration. Only xdist's workers register the plugin: a plain ``pytest tests/drills`` runs one
+test at a time and has nothing to share. ``untimed_first`` orders the drills in every run.
 """
 
 from __future__ import annotations
 
 import fcntl
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,20 +33,29 @@ import pytest
 UNTIMED = "untimed"
 
 
-def _module(item: pytest.Item | None) -> str | None:
+def module_of(item: pytest.Item | None) -> str | None:
     return item.nodeid.split("::", 1)[0] if item is not None else None
+
+
+def is_timed_drill(item: pytest.Item) -> bool:
+    """A drill whose module is not marked untimed. The mark is read from the module alone, so every test of
+    a module takes the same kind of turn (test_project_layout refuses the mark anywhere else)."""
+    if item.get_closest_marker("slow") is None:  # tests/conftest.py marks everything under tests/drills/
+        return False
+    module = item.getparent(pytest.Module)
+    return module is None or module.get_closest_marker(UNTIMED) is None
 
 
 class MachineTurns:
     def __init__(self, folder: Path):
         folder.mkdir(parents=True, exist_ok=True)
-        self.turnstile = open(folder / "turnstile.lock", "a+")  # noqa: SIM115 - held for the whole session
+        self.turnstile = open(folder / "turnstile.lock", "a+")  # noqa: SIM115 - held until close()
         self.machine = open(folder / "machine.lock", "a+")  # noqa: SIM115 - likewise
         self.alone_in: str | None = None  # the timed module this worker holds the machine for
 
     def take_alone(self) -> None:
-        fcntl.flock(self.turnstile, fcntl.LOCK_EX)  # untimed tests that come after wait behind this
-        fcntl.flock(self.machine, fcntl.LOCK_EX)  # until the untimed tests already running end
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)  # shared turns asked for after this wait behind it
+        fcntl.flock(self.machine, fcntl.LOCK_EX)  # until the shared turns already running end
         fcntl.flock(self.turnstile, fcntl.LOCK_UN)
 
     def take_shared(self) -> None:
@@ -56,31 +66,38 @@ class MachineTurns:
     def give_back(self) -> None:
         fcntl.flock(self.machine, fcntl.LOCK_UN)
 
-    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def close(self) -> None:
+        self.turnstile.close()  # closing the files lets go of any lock still held
+        self.machine.close()
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_protocol(self, item, nextitem):
-        if item.get_closest_marker("slow") is None:  # a unit test
-            yield
-            return
-        module = _module(item)
-        untimed = item.get_closest_marker(UNTIMED) is not None
-        if untimed:
-            self.take_shared()
-        elif self.alone_in != module:
-            self.take_alone()
-            self.alone_in = module
+        module = module_of(item)
+        if self.alone_in != module:  # already alone for this module: the turn goes on, whatever the test
+            if self.alone_in is not None:  # xdist names the next item truly; this is in case it did not
+                self.give_back()
+                self.alone_in = None
+            if is_timed_drill(item):
+                self.take_alone()
+                self.alone_in = module
+            else:
+                self.take_shared()
         try:
-            yield
+            return (yield)
         finally:
-            if untimed or _module(nextitem) != module:
+            if self.alone_in is None or module_of(nextitem) != module:
                 self.give_back()
                 self.alone_in = None
 
+    def pytest_unconfigure(self):
+        self.close()
+
 
 def untimed_first(items: list[pytest.Item]) -> None:
-    """Untimed drill modules first, in place and otherwise in order: with ``--no-loadscope-reorder``,
-    both workers start on them together, and the timed modules, which run one at a time anyway,
-    come after."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None and item.get_closest_marker(UNTIMED) is None)
+    """Timed drills last, in place and otherwise in order: with ``--no-loadscope-reorder``, both workers
+    start on the untimed modules together, and the timed modules, which run one at a time anyway, come
+    after."""
+    items.sort(key=is_timed_drill)
 
 
 @pytest.hookimpl(trylast=True)  # after tests/conftest.py has marked the drills slow
@@ -92,8 +109,12 @@ def pytest_configure(config):
     worker = getattr(config, "workerinput", None)  # set in an xdist worker alone
     if worker is None:
         return
-    # xdist gives each local worker a base temp inside the run's own (xdist/workermanage.py): the parent is
-    # the run's, shared by its workers and cleaned up with pytest's other temporary folders.
     basetemp = config.option.basetemp
-    run = Path(basetemp).parent if basetemp else Path(tempfile.gettempdir()) / f"pytest-run-{worker['testrunuid']}"
-    config.pluginmanager.register(MachineTurns(run / "machine-turns"), "machine_turns")
+    if not basetemp:
+        # xdist gives each local worker a base temp inside the run's own (xdist/workermanage.py, setup());
+        # without one (remote workers, `-p no:tmpdir`) there is no folder the workers are known to share.
+        raise pytest.UsageError("tests/machine_turns.py: an xdist worker without --basetemp cannot share the "
+                                "machine with its peers; run the drills on local workers with pytest's tmpdir plugin")
+    # The parent of a worker's base temp is the run's, shared by its workers and cleaned up with pytest's
+    # other temporary folders.
+    config.pluginmanager.register(MachineTurns(Path(basetemp).parent / "machine-turns"), "machine_turns")

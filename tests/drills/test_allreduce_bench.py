@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import REPO
 from training.diagnostics.allreduce import TransportError, bus_bandwidth, check_efa, nccl_transport, sizes
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = pytest.mark.untimed
 
 # Shapes of the lines NCCL 2.2x and aws-ofi-nccl 1.x write at init with NCCL_DEBUG=INFO.

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import REPO
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = [pytest.mark.untimed, pytest.mark.timeout(300)]
 CLASSES = 3
 PER_CLASS = 6

@@ -10,7 +10,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from training.config import load_train_config
 from training.diagnostics.throughput import bare_loop
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = pytest.mark.untimed
 
 

@@ -14,7 +14,7 @@ from cfnlint.api import ManualArgs, lint_file
 from tests.conftest import VARIANTS
 from tests.unit.cdk.test_pipeline_stack import synth_pipeline
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = pytest.mark.untimed
 
 # cfn-lint findings accepted, each with its scope (a logical-id prefix, or None for every

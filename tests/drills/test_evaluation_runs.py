@@ -25,7 +25,7 @@ from training.loop.metrics import MetricsWriter
 from training.loop.trainer import Trainer
 from training.models import build_model
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = [pytest.mark.untimed, pytest.mark.timeout(240)]
 
 

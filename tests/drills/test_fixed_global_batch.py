@@ -13,7 +13,7 @@ from training.config import load_train_config
 from trainctl.backends.local_cluster import free_port
 from training.loop.trainer import Trainer
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = [pytest.mark.untimed, pytest.mark.timeout(180)]
 STEPS = 3
 

@@ -10,7 +10,7 @@ from training.models import MODEL_NAMES, build_model, parameter_count
 from training.models.efficientnet import SCALINGS
 from tests.reference_libraries import needs_torchvision
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = pytest.mark.untimed
 
 # Exact counts of the reference implementations (torchvision for the CNNs, Hugging Face

@@ -27,7 +27,7 @@ from training.contract import (
 from training.node_check import checks
 from training.node_check.node_api import instance_id, verdict_patch
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = pytest.mark.untimed
 
 OUTPUTS = REPO / "tests" / "node_check_outputs"

@@ -21,7 +21,7 @@ from tests.trainctl_fixtures import kubeconfig
 from trainctl.errors import UserError
 from trainctl.backends.eks import Jobs, render
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = pytest.mark.untimed
 
 # The fixtures of tests/trainctl_fixtures.py, under the names the tests ask for.

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import REPO
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = pytest.mark.untimed
 
 CLASSES = ["n01440764", "n01443537", "n01484850"]

@@ -20,7 +20,7 @@ from training.data.sampler import SampleKey, sample_seed
 from trainctl.backends.local_cluster import free_port
 from training.loop.trainer import Trainer
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = [pytest.mark.untimed, pytest.mark.timeout(300)]
 STEPS = 3
 

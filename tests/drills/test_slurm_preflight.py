@@ -22,7 +22,7 @@ from trainctl.preflight import (
     cluster_stack_check, head_node_ssm_check, quota_checks, slurm_checks, slurm_quota_groups, slurm_stack_checks,
 )
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = pytest.mark.untimed
 
 aws = test_slurm_transport.aws

@@ -19,7 +19,7 @@ from trainctl.backends.slurm_transport import (
     CLUSTER_NAME_TAG, HEAD_NODE, NODE_TYPE_TAG, Completed, LocalShell, OutputTruncated, SsmShell,
 )
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = pytest.mark.untimed
 
 # Prints what it got (its stdin as a digest); exits with its first argument.

@@ -18,7 +18,7 @@ from trainctl import stage
 from trainctl.__main__ import _s3_pool
 from trainctl.errors import UserError
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = pytest.mark.untimed
 
 LATENCY_S = 0.02

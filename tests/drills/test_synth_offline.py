@@ -15,7 +15,7 @@ from k8s_charts.node_runtime import HOW_TO_GET_IT
 from tests.conftest import REPO
 
 CDK = REPO / "node_modules" / ".bin" / "cdk"
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = [pytest.mark.untimed, pytest.mark.timeout(300)]
 
 

@@ -21,7 +21,7 @@ CPUS = len(os.sched_getaffinity(0))
 sys.path.insert(0, str(BENCHMARK.parent))
 import throughput  # noqa: E402 - benchmarks/ is no package: imported from its folder, after the path insert
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = pytest.mark.untimed
 
 

@@ -16,7 +16,7 @@ from tests import trainctl_fixtures
 from tests.conftest import REPO
 from tests.unit.test_trainctl_kube import CONFIG
 
-# untimed (tests/machine_turns.py): no deadline or rate in its assertions; under -n it runs beside another untimed drill
+# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
 pytestmark = pytest.mark.untimed
 
 # The fixtures of tests/trainctl_fixtures.py (shared with test_operator_safety), under the names the tests ask for.

@@ -310,27 +310,76 @@ def test_the_unit_modules_that_build_constructs_are_the_ones_in_tests_unit_cdk()
     assert sorted(p.name for p in (unit / "cdk").glob("test_*.py") if not builds_constructs(p)) == []
 
 
-# What starts the timed machinery of a drill: the drills' harness, a Slurm cluster, agents and etcd members
-# (a module's names, or None for any).
+# What starts the timed machinery of a drill: the drills' harness, a Slurm cluster, agents and etcd members,
+# and the waits on them (a module's names, or None for any of them), and the etcd fixtures of tests/conftest.py.
+# A drill that launches agents as a subprocess of its own (test_resume_safety's refused launches,
+# test_allreduce_bench's standalone torchrun) is judged by hand: its comment says why it is untimed.
 TIMED_MACHINERY = {"tests.drill_harness": None, "tests.slurm_cluster": None,
-                   "trainctl.backends.local_cluster": {"Agent", "LocalEtcd", "LocalEtcdCluster"}}
+                   "trainctl.backends.local_cluster": {"Agent", "LocalEtcd", "LocalEtcdCluster", "wait_until"}}
+TIMED_FIXTURES = {"etcd_server", "etcd_module"}
 
 
-def imports_timed_machinery(path: Path) -> bool:
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module in TIMED_MACHINERY:
-            names = TIMED_MACHINERY[node.module]
-            if names is None or names & {alias.name for alias in node.names}:
+def uses_timed_machinery(tree: ast.Module) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(alias.name in TIMED_MACHINERY for alias in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = {alias.name for alias in node.names}
+            if {f"{node.module}.{name}" for name in names} & TIMED_MACHINERY.keys():  # from tests import slurm_cluster
                 return True
+            wanted = TIMED_MACHINERY.get(node.module, set())
+            if wanted is None or wanted & names:
+                return True
+        if isinstance(node, ast.FunctionDef) and TIMED_FIXTURES & {arg.arg for arg in node.args.args}:
+            return True
     return False
 
 
-def marked_untimed(path: Path) -> bool:
-    return "pytest.mark.untimed" in path.read_text()
+def untimed_marks(tree: ast.Module) -> tuple[bool, list[int]]:
+    """Whether the module's `pytestmark` holds `pytest.mark.untimed`, and the lines of the mark anywhere else."""
+    marks = [node for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "untimed"
+             and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"]
+    module_level = {id(node) for statement in tree.body if isinstance(statement, ast.Assign)
+                    and any(isinstance(target, ast.Name) and target.id == "pytestmark" for target in statement.targets)
+                    for node in ast.walk(statement.value)}
+    return any(id(mark) in module_level for mark in marks), [mark.lineno for mark in marks if id(mark) not in module_level]
 
 
 def test_no_drill_that_runs_agents_etcd_or_slurm_is_marked_untimed():
     """An untimed drill runs beside another under `pytest -n` (tests/machine_turns.py); one that runs agents,
     etcd or Slurm waits on them with deadlines, and must have the machine to itself."""
     drills = sorted((REPO / "tests" / "drills").glob("test_*.py"))
-    assert [p.name for p in drills if marked_untimed(p) and imports_timed_machinery(p)] == []
+    trees = {p.name: ast.parse(p.read_text()) for p in drills}
+    assert [name for name, tree in trees.items() if untimed_marks(tree)[0] and uses_timed_machinery(tree)] == []
+
+
+def test_the_untimed_mark_is_set_on_whole_modules_alone():
+    """tests/machine_turns.py reads the mark from the module: every test of a module takes the same turn."""
+    tests = sorted((REPO / "tests").rglob("test_*.py"))
+    elsewhere = {p.relative_to(REPO).as_posix(): untimed_marks(ast.parse(p.read_text()))[1] for p in tests}
+    assert {path: lines for path, lines in elsewhere.items() if lines} == {}
+
+
+@pytest.mark.parametrize(("source", "timed"), [
+    ("from tests.drill_harness import etcd_drill", True),
+    ("from tests import slurm_cluster", True),
+    ("import tests.slurm_cluster", True),
+    ("from trainctl.backends import local_cluster", True),
+    ("from trainctl.backends.local_cluster import Agent, free_port", True),
+    ("from trainctl.backends.local_cluster import wait_until", True),
+    ("def test_x(etcd_module):\n    pass", True),
+    ("from trainctl.backends.local_cluster import free_port", False),
+    ("from tests.conftest import REPO\ndef test_x(tmp_path):\n    pass", False),
+])
+def test_the_guard_sees_each_way_a_drill_reaches_the_timed_machinery(source, timed):
+    assert uses_timed_machinery(ast.parse(source)) is timed
+
+
+@pytest.mark.parametrize(("source", "module_level", "elsewhere"), [
+    ("pytestmark = pytest.mark.untimed", True, []),
+    ("pytestmark = [pytest.mark.untimed, pytest.mark.timeout(300)]", True, []),
+    ("import pytest\n@pytest.mark.untimed\ndef test_x():\n    pass", False, [2]),
+    ("pytestmark = pytest.mark.timeout(300)", False, []),
+])
+def test_the_guard_tells_a_module_mark_from_a_tests(source, module_level, elsewhere):
+    assert untimed_marks(ast.parse(source)) == (module_level, elsewhere)
