@@ -4,7 +4,9 @@
 where the suite's time goes is a question of modules. For each module it prints the wall seconds of
 its tests' setup, call and teardown, and, when the tests run one at a time (no xdist), the core-seconds
 the whole machine spent meanwhile, from /proc/stat: a drill's agents, trainers and etcd are processes
-that pytest does not reap, so the test process's own rusage misses them.
+that pytest does not reap, so the test process's own rusage misses them. Its last line sums the timed
+drill modules apart: under ``pytest -n`` they run one at a time (tests/machine_turns.py), so their sum
+is the least wall time the drills can take that way.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class ModuleTimes:
         self.wall: dict[str, float] = defaultdict(float)
         self.cores: dict[str, float] = defaultdict(float)
         self.tests: dict[str, set[str]] = defaultdict(set)
+        self.timed: set[str] = set()  # drill modules (marked slow) not marked untimed
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item):
@@ -49,6 +52,8 @@ class ModuleTimes:
         module = report.nodeid.split("::", 1)[0]
         self.wall[module] += report.duration
         self.tests[module].add(report.nodeid)
+        if "slow" in report.keywords and "untimed" not in report.keywords:  # a report carries its module's marks
+            self.timed.add(module)
 
     def pytest_terminal_summary(self, terminalreporter):
         if not self.wall:
@@ -69,6 +74,10 @@ class ModuleTimes:
             used = sum(self.cores.values())
             summary += f"; {used:.0f} core-seconds, {used / total / os.cpu_count():.0%} of {os.cpu_count()} cores busy"
         terminalreporter.write_line(summary)
+        if self.timed:
+            timed = sum(self.wall[module] for module in self.timed)
+            terminalreporter.write_line(f"{timed:8.1f} in the {len(self.timed)} timed drill modules, which take the "
+                                        "machine one at a time under -n")
 
 
 def pytest_configure(config):

@@ -40,3 +40,20 @@ def test_a_modules_time_counts_its_fixtures_and_its_busy_cores(tmp_path):
     slow = rows[0]
     assert float(slow[0]) >= 0.6 and float(slow[3]) >= 0.5  # the module fixture's spin, in wall and in core-seconds
     assert re.search(r"^ +[\d.]+ in all; \d+ core-seconds, \d+% of \d+ cores busy$", table, re.M)
+
+
+def test_the_timed_drill_modules_are_summed_apart(tmp_path):
+    """A module marked slow (a drill) and not untimed takes the machine alone under -n: their sum is the floor."""
+    (tmp_path / "test_timed.py").write_text("import time, pytest\npytestmark = pytest.mark.slow\n"
+                                            "def test_a():\n    time.sleep(0.5)\n")
+    (tmp_path / "test_untimed.py").write_text("import time, pytest\n"
+                                              "pytestmark = [pytest.mark.slow, pytest.mark.untimed]\n"
+                                              "def test_b():\n    time.sleep(0.3)\n")
+    (tmp_path / "test_unit.py").write_text("def test_c():\n    pass\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.module_times", "--noconftest",
+                           "-p", "no:cacheprovider", "-o", "addopts=", "-W", "ignore::pytest.PytestUnknownMarkWarning",
+                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout
+    timed = re.search(r"^ +([\d.]+) in the (\d+) timed drill modules, which take the machine one at a time under -n$",
+                      done.stdout, re.M)
+    assert timed and timed[2] == "1" and 0.5 <= float(timed[1]) < 0.8, done.stdout
