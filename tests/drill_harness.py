@@ -247,16 +247,16 @@ def quorum_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000
     return result
 
 
-def incarnation_drill(work: Path, samples: int = 120_000) -> DrillResult:
+def incarnation_drill(work: Path, samples: int = 120_000, steps_per_s: float | None = None) -> DrillResult:
     """An agent's workers crash in a loop, a replacement pod rejoins, the job restarts afresh, a pod comes after the end.
 
     What Volcano does is played by hand: the replacement of a failed pod keeps the job version
     (the same rendezvous id); the whole-job restart bumps it (a new id); the late pod has the
-    finished incarnation's id.
+    finished incarnation's id. ``steps_per_s``: the two nodes' pace (:func:`paced`; alone, half of it).
     """
     work.mkdir(parents=True, exist_ok=True)
     result = DrillResult(work)
-    args = trainer_args(work, samples)
+    args = trainer_args(work, samples) + paced(steps_per_s, 2)
     with LocalEtcd() as endpoint:
         # Its first failure follows progress and costs no restart; the next, right at the start, does.
         fragile = Agent("a", endpoint, "job-v0", work, args, max_restarts=0)

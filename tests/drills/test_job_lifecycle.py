@@ -25,7 +25,14 @@ ETCD_PLAN = [("wait", 3), ("down", 60), ("wait", 3), ("restart", 0), ("wait", 3)
 # Unpaced, it had to be sized for the fastest machine (752,000 samples at 180 steps/s) and ran 336 s on CI's.
 ETCD_PACE_STEPS_PER_S = 50
 ETCD_DRILL_SAMPLES = 5_200 * 32  # a whole number of global batches (32): every_sample_once counts whole steps
-INCARNATION_SAMPLES = 120_000
+# The incarnations' job is held to 100 steps/s at two nodes (50 alone). Its rounds wait on agents, not steps:
+# here the crash loop begins at step 25, the survivor trains alone for 8 s (to step 448) and the new version
+# resumes at step 450, 25 s in; 1,400 steps leave it about 10 s of training, and a machine that took twice
+# as long over every round would still have about 500 steps to train. Unpaced, 3,750 steps trained 25 s
+# after the new version resumed here, and a machine three times as fast would have finished alone before
+# the replacement came.
+INCARNATION_PACE_STEPS_PER_S = 100
+INCARNATION_SAMPLES = 1_400 * 32
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +43,8 @@ def etcd_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def incarnations(tmp_path_factory):
-    return incarnation_drill(tmp_path_factory.mktemp("incarnations"), samples=INCARNATION_SAMPLES)
+    return incarnation_drill(tmp_path_factory.mktemp("incarnations"), samples=INCARNATION_SAMPLES,
+                             steps_per_s=INCARNATION_PACE_STEPS_PER_S)
 
 
 def disruption(run, what):

@@ -27,14 +27,21 @@ from trainctl.backends.local_cluster import wait_until
 
 pytestmark = pytest.mark.timeout(400)
 
-# 8,000 steps of the drills' global batch: the survivor alone needs ~30 s on an idle 2-core machine,
-# more than the replacement's 5 s wait, its start and the 3 s admission. With 600 steps it finished
-# in 2 s when the machine was idle, before the replacement came (a load-dependent race).
+# 8,000 steps of the drills' global batch: one node alone needs ~35 s on an idle 2-core machine, time enough
+# for the cancel drill's status and cancel.
 SAMPLES = 256_000
+# The killed run is held to 100 steps/s a node alone (3,200 samples/s each: 200 steps/s for two, more than
+# 2 cores give them), 4,000 steps: the survivor alone needs at least 40 s on any machine, against about 14 s
+# for the replacement's 5 s wait, its start and the 3 s admission here. Unpaced, 8,000 steps, it was sized
+# for the fastest machine (the survivor alone needed ~35 s here: 225 steps/s) and trained 45 s more at two
+# nodes after the replacement joined; with 600 steps it finished in 2 s, before the replacement came.
+KILLED_SAMPLES = 4_000 * 32
+KILLED_SAMPLES_PER_S = 3_200
 
 
-def job_spec(tmp_path: Path, name: str, samples: int = SAMPLES) -> Path:
-    """A two-node job of the drills' small MLP, logging every sample id it trains on."""
+def job_spec(tmp_path: Path, name: str, samples: int = SAMPLES, samples_per_s: float | None = None) -> Path:
+    """A two-node job of the drills' small MLP, logging every sample id it trains on; ``samples_per_s``: each
+    node's pace (data.synthetic_samples_per_s)."""
     spec = {
         "name": name, "image": "123456789012.dkr.ecr.us-west-2.amazonaws.com/trainer:gpu-0.1.0", "node_group": "p4d",
         "min_nodes": 1, "max_nodes": 2, "scale_up_after_s": 3, "checkpoint_path": f"/fsx/{name}/checkpoints",
@@ -45,6 +52,8 @@ def job_spec(tmp_path: Path, name: str, samples: int = SAMPLES) -> Path:
             "optim.lr": 0.05, "checkpoint.interval_steps": 25, "metrics.sample_log_dir": f"/fsx/{name}/samples",
         },
     }
+    if samples_per_s:
+        spec["trainer_args"]["data.synthetic_samples_per_s"] = samples_per_s
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -136,7 +145,7 @@ def killed_run(tmp_path_factory):
     """Two nodes; node-1's agent is SIGKILLed once both train; the job runs to its end."""
     tmp = tmp_path_factory.mktemp("local")
     workdir = tmp / "work"
-    submit = Submit(job_spec(tmp, "killed"), workdir)
+    submit = Submit(job_spec(tmp, "killed", KILLED_SAMPLES, KILLED_SAMPLES_PER_S), workdir)
     try:
         victim = int(submit.wait_for(r"^  node-1 +pid (\d+)")[0].group(1))
         submit.wait_for(r"world size 2$", count=3)
@@ -158,7 +167,7 @@ def test_a_node_killed_mid_run_is_survived_and_the_job_completes(killed_run):
     # Replaced, as Volcano's RestartPod does: it joins the job, or comes after its end and has nothing to do.
     assert f"node-1 (pid {killed_run['replacement']}) ended: exit 0" in after_kill
     assert output.splitlines()[-1].startswith("killed: completed; checkpoints in ")
-    assert every_sample_once(killed_run["workdir"] / "fsx" / "killed", SAMPLES)
+    assert every_sample_once(killed_run["workdir"] / "fsx" / "killed", KILLED_SAMPLES)
 
 
 def test_nothing_it_started_is_left_running(killed_run):
@@ -171,7 +180,7 @@ def test_status_logs_and_list_read_the_finished_job(killed_run):
     work = ["--backend", "local", "--workdir", str(killed_run["workdir"])]
     status = trainctl("status", "killed", *work)
     assert status.returncode == 0 and status.stdout.startswith("job killed (local): Completed\n"), status
-    assert "newest checkpoint:" in status.stdout and f"(step {SAMPLES // GLOBAL_BATCH})" in status.stdout
+    assert "newest checkpoint:" in status.stdout and f"(step {KILLED_SAMPLES // GLOBAL_BATCH})" in status.stdout
     assert f"node-1   pid {killed_run['replacement']}" in status.stdout  # the replacement, not the lost node
     logs = trainctl("logs", "killed", *work, "--rank", "0")
     assert logs.returncode == 0 and "training.launcher" in logs.stdout
