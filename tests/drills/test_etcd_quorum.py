@@ -15,10 +15,12 @@ from tests.drill_harness import events, every_sample_once, quorum_drill
 pytestmark = pytest.mark.timeout(600)
 
 PLAN = [("wait", 2), ("leader", 8), ("wait", 2), ("follower", 8)]  # 32 s with each loss's 6 s of settling
-# Held to 50 steps/s (data.synthetic_samples_per_s), the job has trained at most about 1,700 of its 3,000
-# steps when the plan ends, on any machine, and ends about 25 s after it without taking cores it does not need.
+# Held to 50 steps/s (data.synthetic_samples_per_s), the job has trained at most about 1,700 of its 2,300
+# steps when the plan ends, on any machine, and ends about 12 s after it without taking cores it does not
+# need: the 600 steps left are the margin for a plan that runs long on a slow machine (3,000 steps ended
+# 25 s after it, idle time for the suite).
 PACE_STEPS_PER_S = 50
-SAMPLES = 3_000 * 32
+SAMPLES = 2_300 * 32
 
 
 @pytest.fixture(scope="module")
