@@ -26,13 +26,14 @@ ETCD_PLAN = [("wait", 3), ("down", 60), ("wait", 3), ("restart", 0), ("wait", 3)
 ETCD_PACE_STEPS_PER_S = 50
 ETCD_DRILL_SAMPLES = 5_200 * 32  # a whole number of global batches (32): every_sample_once counts whole steps
 # The incarnations' job is held to 100 steps/s at two nodes (50 alone). Its rounds wait on agents, not steps:
-# here the crash loop begins at step 25, the survivor trains alone for 8 s (to step 448) and the new version
-# resumes at step 450, 25 s in; 1,400 steps leave it about 10 s of training, and a machine that took twice
-# as long over every round would still have about 500 steps to train. Unpaced, 3,750 steps trained 25 s
-# after the new version resumed here, and a machine three times as fast would have finished alone before
-# the replacement came.
+# here the survivor resumes alone at step 50, trains alone for 8 s (to step 483) while the replacement starts,
+# and the new version resumes at step 475, 25 s in; 1,800 steps leave it about 13 s of training. The margin
+# that matters is the survivor's: alone it needs 26 s to finish, so a machine whose agents start three
+# times slower still has the replacement join first. Unpaced, 3,750 steps trained 25 s after the new
+# version resumed here, and a machine three times as fast would have finished alone before the
+# replacement came.
 INCARNATION_PACE_STEPS_PER_S = 100
-INCARNATION_SAMPLES = 1_400 * 32
+INCARNATION_SAMPLES = 1_800 * 32
 
 
 @pytest.fixture(scope="module")

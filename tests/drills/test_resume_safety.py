@@ -18,7 +18,7 @@ import torch
 from tests.conftest import REPO
 from training.contract import EXIT_CONFIG, EXIT_DIVERGED
 
-# untimed (tests/machine_turns.py): under -n it runs beside another untimed drill. Its one deadline (a refused
+# untimed (tests/machine_turns.py): under -n it runs beside other tests. Its one deadline (a refused
 # launch ends within 60 s, where one takes about 8 s) is there to catch torchrun's restarts, not a slow machine
 pytestmark = [pytest.mark.untimed, pytest.mark.timeout(300)]
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.conftest import SuiteScopes
-from tests.machine_turns import MachineTurns, untimed_first
+from tests.machine_turns import MachineTurns, is_timed_drill, untimed_first
 
 WAIT_S = 10  # how long a step that must happen may take; a step that must not happen is checked after 0.3 s
 
@@ -179,6 +179,7 @@ def test_a_test_marked_untimed_inside_a_timed_module_stays_in_the_modules_turn(t
     turns = MachineTurns(tmp_path)
     timed = FakeItem("tests/drills/test_lost_node.py::test_a")
     marked = FakeItem("tests/drills/test_lost_node.py::test_b", False, "untimed")
+    assert is_timed_drill(marked)  # a test's own mark is not read
     assert run_test(turns, timed, marked, tmp_path) == "alone"
     assert run_test(turns, marked, None, tmp_path) == "alone"
     assert held(tmp_path) == "free"

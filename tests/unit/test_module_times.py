@@ -56,4 +56,5 @@ def test_the_timed_drill_modules_are_summed_apart(tmp_path):
     assert done.returncode == 0, done.stdout
     timed = re.search(r"^ +([\d.]+) in the (\d+) timed drill modules, which take the machine one at a time under -n$",
                       done.stdout, re.M)
-    assert timed and timed[2] == "1" and 0.5 <= float(timed[1]) < 0.8, done.stdout
+    # One module, the timed one: the untimed and the unit modules are left out.
+    assert timed and timed[2] == "1" and 0.5 <= float(timed[1]) < 3, done.stdout
