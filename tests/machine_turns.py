@@ -106,8 +106,7 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_configure(config):
-    worker = getattr(config, "workerinput", None)  # set in an xdist worker alone
-    if worker is None:
+    if not hasattr(config, "workerinput"):  # set in an xdist worker alone
         return
     basetemp = config.option.basetemp
     if not basetemp:
