@@ -54,6 +54,11 @@ class SlurmCluster:
     # (its old credentials must expire first); 120 s by default (slurm.conf AuthInfo cred_expire).
     cred_expire_s: int = 5  # the least Slurm accepts (slurm.conf(5), AuthInfo cred_expire)
     slurmd_timeout_s: int = 5
+    # How long slurmctld waits for a node to answer a message (slurm.conf(5) MessageTimeout, 10 s by
+    # default). A lost node's ping and the requeue's order to end the job there each wait it out: at 10 s
+    # the requeue drill's kill-to-requeue took 25 s and the requeue to the script's start 16 s, at 3 s
+    # 12 s and 10 s (docs/slurm.md). Loopback answers in milliseconds, and the cluster has the machine alone.
+    message_timeout_s: int = 3
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -93,6 +98,7 @@ class SlurmCluster:
             "JobRequeue=1",
             "ReturnToService=2",
             f"SlurmdTimeout={self.slurmd_timeout_s}",
+            f"MessageTimeout={self.message_timeout_s}",
             f"KillWait={self.kill_wait_s}",
             "MinJobAge=3600",
             # The scheduler tries pending jobs every second, not every 60 s (main) and 30 s (backfill) as by default.

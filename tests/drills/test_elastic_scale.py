@@ -24,7 +24,7 @@ PACE_STEPS_PER_S = 20
 
 
 def test_four_agents_arriving_at_once_reach_full_size_train_steadily_and_survive_a_kill(tmp_path):
-    result = scale_drill(tmp_path, 4, steady_s=15, steps_per_s=PACE_STEPS_PER_S)
+    result = scale_drill(tmp_path, 4, steady_s=8, steps_per_s=PACE_STEPS_PER_S)
     assert result.full_world_s is not None, "\n".join(result.warnings)
     # Started together, they join one round; on a loaded machine one may come after the last call
     # and is then admitted once: never a restart per arrival.
@@ -50,13 +50,14 @@ def test_an_agent_started_while_etcd_is_down_waits_and_a_second_joins_it(tmp_pat
     args = [*trainer_args(tmp_path, 400_000), *paced(PACE_STEPS_PER_S, 2)]
     agents = [Agent("a", etcd.endpoint, "etcd-late", tmp_path, args, max_nodes=2)]
     try:
-        time.sleep(15)  # etcd is away for its first 15 s
+        # etcd is away until the agent has found it unreachable, and 3 s more: it waits, it does not exit.
+        wait_until(lambda: "etcd is unreachable" in agents[0].output(), "the agent finding etcd away", 120, agents)
+        time.sleep(3)
         assert agents[0].proc.poll() is None, agents[0].output()[-3000:]
         etcd.start()
         agents.append(Agent("b", etcd.endpoint, "etcd-late", tmp_path, args, max_nodes=2))
         wait_until(lambda: [e for e in events(tmp_path, "step") if e["world_size"] == 2], "both training",
                    240, agents)
-        assert "etcd is unreachable" in agents[0].output()
     finally:
         for agent in agents:
             agent.stop()

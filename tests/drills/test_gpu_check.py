@@ -11,7 +11,12 @@ import pytest
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.timeout(900)
+# untimed (tests/machine_turns.py): under -n it runs beside another untimed module. It asserts what each
+# case observed, never how fast: its rates are reported (a ratio needs a GPU alone), the lost node is
+# killed between two checkpoints of a job sized in steps (a busy neighbour makes it train longer, not
+# finish sooner), and its waits (300 s a wait, 900 s a launched case) are for a hung case, where each
+# takes seconds. Its CPU run alone: 75 s wall, 49 core-seconds (one case at a time, mostly one process).
+pytestmark = [pytest.mark.untimed, pytest.mark.timeout(900)]
 
 
 def test_every_case_of_the_gpu_check_runs_on_the_cpu(tmp_path):
