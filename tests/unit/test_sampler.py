@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 
 from training.data.sampler import ElasticBatchPlan, Layout, MicroBatchSampler, fixed_global_layout
 
@@ -95,3 +96,21 @@ def test_an_offset_outside_the_epoch_is_rejected():
 def test_layouts_avoid_padding_when_the_global_batch_allows(global_batch, world, max_micro, expected):
     layout = fixed_global_layout(global_batch, world, max_micro)
     assert layout == expected and layout.micro_batch <= max_micro and layout.slots >= global_batch
+
+
+def test_a_new_plan_for_a_new_round_reuses_the_epochs_order(monkeypatch):
+    """A worker that joins a round in place builds a new plan (training/loop/trainer.py, _join_world);
+    the permutation is drawn once per epoch in the process, not at every regroup."""
+    from training.data import sampler
+
+    drawn = []
+    randperm = torch.randperm
+    monkeypatch.setattr(sampler.torch, "randperm", lambda *a, **k: drawn.append(a[0]) or randperm(*a, **k))
+    sampler.epoch_order.cache_clear()
+    first = ElasticBatchPlan(1000, 64, seed=3)
+    before = first.global_batch_indices(0, 128)
+    regrouped = ElasticBatchPlan(1000, 48, seed=3)  # a new round, another global batch
+    assert regrouped.order(0) is first.order(0) and drawn == [1000]
+    assert regrouped.global_batch_indices(0, 128)[:48] == before[:48]
+    assert ElasticBatchPlan(1000, 64, seed=4).global_batch_indices(0, 128) != before  # another seed: drawn
+    assert drawn == [1000, 1000]
