@@ -661,13 +661,18 @@ def straggler_drill(work: Path, agents: int = 4, healthy_s: float = 20, slowed_s
             result.named_slowed = [e for e in events(work, "straggler") if e["time"] > slowed_since]
             if result.named_slowed:
                 named_at = result.named_slowed[0]["step"]
+                # Rank 0 writes the naming before that report's step event: wait for it before counting.
+                wait_until(lambda: [e for e in events(work, "step") if e["step"] >= named_at],
+                           "the report that named the straggler", 60, running)
                 result.windows_to_name = len([e for e in events(work, "step")
                                               if e["time"] > slowed_since and e["step"] <= named_at])
             if replace_policy:
-                result.exit_codes[victim.name] = victim.wait(timeout=120)
+                result.replaced = events(work, "straggler_replaced")[-1]
+                assert result.replaced["pod"] == victim.name, result.replaced
+                wait_until(lambda: victim.proc.poll() is not None, "the replaced node's exit", 120, running)
+                result.exit_codes[victim.name] = victim.wait(timeout=10)
                 left_at = time.time()
                 assert result.exit_codes[victim.name] == EXIT_REPLACE_NODE, victim.output()[-3000:]
-                result.replaced = events(work, "straggler_replaced")[-1]
                 survivors = [a for a in running if a is not victim]
                 wait_until(lambda: len([e for e in events(work, "step") if e["time"] > left_at
                                         and e["world_size"] == agents - 1]) >= 3,

@@ -50,9 +50,11 @@ def test_an_agent_started_while_etcd_is_down_waits_and_a_second_joins_it(tmp_pat
     args = [*trainer_args(tmp_path, 400_000), *paced(PACE_STEPS_PER_S, 2)]
     agents = [Agent("a", etcd.endpoint, "etcd-late", tmp_path, args, max_nodes=2)]
     try:
-        # etcd is away until the agent has found it unreachable, and 3 s more: it waits, it does not exit.
-        wait_until(lambda: "etcd is unreachable" in agents[0].output(), "the agent finding etcd away", 120, agents)
-        time.sleep(3)
+        # etcd is away until the agent has said it waits for it (training/launcher/rendezvous.py, Outage),
+        # and 5 s more: it waits, it does not exit.
+        wait_until(lambda: re.search(r"etcd is unreachable \(.*\); waiting up to \d+ s for it", agents[0].output()),
+                   "the agent waiting for etcd", 120, agents)
+        time.sleep(5)
         assert agents[0].proc.poll() is None, agents[0].output()[-3000:]
         etcd.start()
         agents.append(Agent("b", etcd.endpoint, "etcd-late", tmp_path, args, max_nodes=2))
