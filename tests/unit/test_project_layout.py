@@ -313,7 +313,8 @@ def test_the_unit_modules_that_build_constructs_are_the_ones_in_tests_unit_cdk()
 # What starts the timed machinery of a drill: the drills' harness, a Slurm cluster, agents and etcd members,
 # and the waits on them (a module's names, or None for any of them), and the etcd fixtures of tests/conftest.py.
 # A drill that launches agents as a subprocess of its own (test_resume_safety's refused launches,
-# test_allreduce_bench's standalone torchrun, whose assertions hold no deadline) is judged by hand.
+# test_allreduce_bench's standalone torchrun, whose assertions hold no deadline, test_gpu_check's
+# benchmarks/gpu_check.py) is judged by hand.
 TIMED_MACHINERY = {"tests.drill_harness": None, "tests.slurm_cluster": None,
                    "trainctl.backends.local_cluster": {"Agent", "LocalEtcd", "LocalEtcdCluster", "wait_until"}}
 TIMED_FIXTURES = {"etcd_server", "etcd_module"}
