@@ -93,7 +93,7 @@ TEST_WORKERS ?= auto
 test: setup-test
 	unit=0; drills=0; \
 	$(PY) -m pytest tests/unit -n $(TEST_WORKERS) --maxprocesses=4 || unit=$$?; \
-	$(PY) -m pytest tests/drills -n 2 --no-loadscope-reorder || drills=$$?; \
+	$(PY) -m pytest tests/drills -n 2 --no-loadscope-reorder --modules-shown=50 || drills=$$?; \
 	exit $$(( unit || drills ))
 
 # The trainer's Neuron path (train.device=neuron: torch_xla, the xla process group) on torch-xla's

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-SHOWN = 15
+SHOWN = 15  # modules; --modules-shown changes it
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -33,8 +33,8 @@ def busy_core_seconds() -> float | None:
 
 
 class ModuleTimes:
-    def __init__(self, serial: bool):
-        self.serial = serial  # core-seconds mean something only when one test runs at a time
+    def __init__(self, serial: bool, shown: int = SHOWN):
+        self.serial, self.shown = serial, shown  # core-seconds mean something only when one test runs at a time
         self.wall: dict[str, float] = defaultdict(float)
         self.cores: dict[str, float] = defaultdict(float)
         self.tests: dict[str, set[str]] = defaultdict(set)
@@ -59,11 +59,11 @@ class ModuleTimes:
         if not self.wall:
             return
         total = sum(self.wall.values())
-        terminalreporter.write_sep("=", f"slowest {min(SHOWN, len(self.wall))} modules (of {len(self.wall)})")
+        terminalreporter.write_sep("=", f"slowest {min(self.shown, len(self.wall))} modules (of {len(self.wall)})")
         cores = self.serial and bool(self.cores)
         heading = f"{'wall s':>8} {'share':>6} {'tests':>6}" + (f" {'core-s':>8} {'busy':>5}" if cores else "")
         terminalreporter.write_line(f"{heading}  module")
-        for module, wall in sorted(self.wall.items(), key=lambda kv: -kv[1])[:SHOWN]:
+        for module, wall in sorted(self.wall.items(), key=lambda kv: -kv[1])[:self.shown]:
             line = f"{wall:8.1f} {wall / total:6.1%} {len(self.tests[module]):6d}"
             if cores:
                 used = self.cores.get(module, 0.0)
@@ -80,8 +80,13 @@ class ModuleTimes:
                                         "machine one at a time under -n")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--modules-shown", type=int, default=SHOWN, metavar="N",
+                     help=f"how many of the slowest modules the suite's time by module names (default {SHOWN})")
+
+
 def pytest_configure(config):
     if hasattr(config, "workerinput"):  # an xdist worker: the controller sums its reports
         return
     serial = not getattr(config.option, "numprocesses", None)
-    config.pluginmanager.register(ModuleTimes(serial), "module-times")
+    config.pluginmanager.register(ModuleTimes(serial, config.getoption("modules_shown")), "module-times")

@@ -58,3 +58,15 @@ def test_the_timed_drill_modules_are_summed_apart(tmp_path):
                       done.stdout, re.M)
     # One module, the timed one: the untimed and the unit modules are left out.
     assert timed and timed[2] == "1" and 0.5 <= float(timed[1]) < 3, done.stdout
+
+
+def test_the_table_names_as_many_modules_as_asked(tmp_path):
+    """--modules-shown: the table of a run with every module in it (the default names the slowest 15)."""
+    for name in ("a", "b", "c"):
+        (tmp_path / f"test_{name}.py").write_text("def test_x():\n    pass\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.module_times", "--noconftest",
+                           "-p", "no:cacheprovider", "-o", "addopts=", "--modules-shown=2", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout
+    table = done.stdout[done.stdout.index("slowest 2 modules (of 3)"):]
+    assert len(re.findall(r"^ +[\d.]+ +[\d.]+% +1 .*  (\S+/)?test_[abc]\.py$", table, re.M)) == 2, table
