@@ -61,7 +61,7 @@ def test_the_timed_drill_modules_are_summed_apart(tmp_path):
 
 
 def test_the_table_names_as_many_modules_as_asked(tmp_path):
-    """--modules-shown: the table of a run with every module in it (the default names the slowest 15)."""
+    """--modules-shown=N: the table names the N slowest modules (15 by default; make test asks for every drill module)."""
     for name in ("a", "b", "c"):
         (tmp_path / f"test_{name}.py").write_text("def test_x():\n    pass\n")
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.module_times", "--noconftest",
