@@ -20,7 +20,7 @@ from torch.distributed.elastic.utils.store import barrier
 
 from tests.drill_harness import etcd_metrics
 from training.launcher.etcd_v3 import EtcdClient, EtcdUnavailable, LeaseNotFound, op_put, unchanged_since
-from training.contract import PLATFORM_TUNING
+from training.contract import PLATFORM_TUNING, PROGRESS_FILE_ENV
 from trainctl.backends.local_cluster import LocalEtcd, free_port
 from training.launcher.rendezvous import (
     LEASE_DOUBT_TTLS, EtcdRendezvousHandler, EtcdStore, Outage, Rates, RoundState,
@@ -414,6 +414,33 @@ def test_arrivals_during_a_running_round_wait_and_then_join_together(etcd_module
         assert sorted(i.rank for i in joined) == [1, 2]
     finally:
         for node in [first, *late]:
+            node.shutdown()
+
+
+def test_a_node_arriving_after_the_round_trained_long_enough_is_admitted_at_the_first_check(
+        etcd_module, tmp_path, monkeypatch):
+    """The round's time is counted from its first progress report, not from the newest one: the trainer
+    rewrites the file at every report, and a handler that looked at it only once a node waited made every
+    newcomer wait ``scale_up_after_s`` after its arrival, however long the round had trained."""
+    progress = tmp_path / "progress"
+    monkeypatch.setenv(PROGRESS_FILE_ENV, str(progress))
+    first = handler(etcd_module, "trained", max_nodes=2, scale_up_after_s=2, last_call_timeout=0.5)
+    late = handler(etcd_module, "trained", max_nodes=2, scale_up_after_s=2, last_call_timeout=0.5)
+    try:
+        join_all([first])
+        reported = time.monotonic()
+        while time.monotonic() - reported < 2.5:  # reports, and the agent's checks between them, as it trains
+            progress.write_text("1")
+            assert first.num_nodes_waiting() == 0
+            time.sleep(0.1)
+        threading.Thread(target=late.next_rendezvous, daemon=True).start()
+        until(lambda: late._node in first._snapshot().live and first._snapshot().live[late._node].get("ready"), 10,
+              "the newcomer waiting")
+        progress.write_text("1")  # a report just before the check, as one is every few steps
+        first._checked = float("-inf")  # the check is due: the agent's next health check
+        assert first.num_nodes_waiting() == 1, "the newcomer waits although the round trained scale_up_after_s"
+    finally:
+        for node in (first, late):
             node.shutdown()
 
 

@@ -378,7 +378,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         else:
             waiting = [n for n, record in snap.live.items() if n not in state.member_ids and record.get("ready")]
             room = self._max - len(state.members)
-            self._waiting = min(len(waiting), room) if waiting and room > 0 and self._admission_due() else 0
+            # Asked at every check, waiting nodes or not: the first check after the round's first report is
+            # when it started training. Asked only once a node waited, it took the newest report for that
+            # (the trainer rewrites the file at each), and a newcomer to a round that had trained for hours
+            # waited scale_up_after_s after its arrival.
+            due = self._admission_due()
+            self._waiting = min(len(waiting), room) if waiting and room > 0 and due else 0
             self._graceful = True
             if self._waiting:
                 log.info("admitting %d waiting node(s) after %.0f s of training in this round", self._waiting,
@@ -542,7 +547,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _admission_due(self) -> bool:
         """Has this round trained ``scale_up_after_s`` since it started? A program that reports its
         progress (the packaged trainer, through the file the launcher names) has started training
-        at its first report of this round; another at the round's start."""
+        at its first report of this round, which the first check after it finds as the file's modification
+        time; another at the round's start."""
         if self._training_since is None:
             path = os.environ.get(PROGRESS_FILE_ENV)
             if not path:
