@@ -23,21 +23,22 @@ pytestmark = pytest.mark.timeout(600)
 PACE_STEPS_PER_S = 20
 
 
-def test_four_agents_arriving_at_once_reach_full_size_train_steadily_and_survive_a_kill(tmp_path):
-    result = scale_drill(tmp_path, 4, steady_s=8, steps_per_s=PACE_STEPS_PER_S)
+def test_four_agents_arriving_at_once_reach_full_size_and_train_steadily(tmp_path):
+    # 4 s steady: a heartbeat that wrote would show 16 writes an agent. No kill: test_lost_node.py kills one
+    # of four agents and asserts more of the survivors than that they train again (8 s and a kill cost 7 s).
+    result = scale_drill(tmp_path, 4, steady_s=4, kill=False, steps_per_s=PACE_STEPS_PER_S)
     assert result.full_world_s is not None, "\n".join(result.warnings)
     # Started together, they join one round; on a loaded machine one may come after the last call
     # and is then admitted once: never a restart per arrival.
     assert result.restarts <= 1, "\n".join(result.warnings)
     assert result.steady_rounds == 0, "\n".join(result.warnings)  # nothing re-rendezvoused while all four trained
     assert result.writes_per_s == 0  # heartbeats are lease renewals, not writes
-    assert result.kill_to_step_s is not None  # the three survivors trained again
 
 
 def test_agents_arriving_one_by_one_are_admitted_in_batches(tmp_path):
     # Four arrivals 4 s apart with admission after 6 s of training: one restart per arrival would
     # be three; batching admits them in at most two.
-    result = scale_drill(tmp_path, 4, spread_s=12, steady_s=5, kill=False,
+    result = scale_drill(tmp_path, 4, spread_s=12, steady_s=1, kill=False,  # nothing asserted of the steady time
                          tuning=replace(PLATFORM_TUNING, scale_up_after_s=6), steps_per_s=PACE_STEPS_PER_S)
     assert result.full_world_s is not None, "\n".join(result.warnings)
     assert result.restarts <= 2, "\n".join(result.warnings)
@@ -51,10 +52,10 @@ def test_an_agent_started_while_etcd_is_down_waits_and_a_second_joins_it(tmp_pat
     agents = [Agent("a", etcd.endpoint, "etcd-late", tmp_path, args, max_nodes=2)]
     try:
         # etcd is away until the agent has said it waits for it (training/launcher/rendezvous.py, Outage),
-        # and 5 s more: it waits, it does not exit.
+        # and 2 s more (5 s asserted nothing more): it waits, it does not exit.
         wait_until(lambda: re.search(r"etcd is unreachable \(.*\); waiting up to \d+ s for it", agents[0].output()),
                    "the agent waiting for etcd", 120, agents)
-        time.sleep(5)
+        time.sleep(2)
         assert agents[0].proc.poll() is None, agents[0].output()[-3000:]
         etcd.start()
         agents.append(Agent("b", etcd.endpoint, "etcd-late", tmp_path, args, max_nodes=2))
@@ -73,7 +74,8 @@ def test_a_scale_up_keeps_the_survivors_workers_and_loses_no_step(tmp_path, etcd
     args = [*trainer_args(tmp_path, 400_000), *paced(PACE_STEPS_PER_S, 4)]
     agents = [Agent(name, etcd_module, "in-place", tmp_path, args, max_nodes=4) for name in "ab"]
     try:
-        wait_until(lambda: len([e for e in events(tmp_path, "step") if e["world_size"] == 2]) >= 20,
+        # Past step 25 (8 reports of 5 steps): a checkpoint exists, and is hidden below.
+        wait_until(lambda: len([e for e in events(tmp_path, "step") if e["world_size"] == 2]) >= 8,
                    "two nodes training", 120, agents)
         workers = {agent.name: agent.worker_pids() for agent in agents}
         # Every checkpoint moved away: a member that read one would find none and start at step 0.

@@ -189,9 +189,9 @@ def test_an_internal_error_of_the_launcher_ends_the_job_in_one_line_and_is_not_a
 
 
 def test_a_launcher_that_never_trained_ends_the_job_instead_of_restarting_it(tmp_path, etcd):
-    """A rendezvous that cannot gather its nodes (here: 2 needed, 1 came, within a 3 s join timeout)."""
+    """A rendezvous that cannot gather its nodes (here: 2 needed, 1 came, within a 1 s join timeout)."""
     code, output = run_alone(tmp_path, etcd, "never-trained", min_nodes=2, max_nodes=2,
-                             tuning=replace(LOCAL_TUNING, join_timeout=3))
+                             tuning=replace(LOCAL_TUNING, join_timeout=1))
     assert code == EXIT_CRASH_LOOP, output[-3000:]
     assert "before the job wrote any checkpoint (RendezvousTimeoutError" in output.strip().splitlines()[-1]
 

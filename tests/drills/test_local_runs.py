@@ -31,11 +31,12 @@ pytestmark = pytest.mark.timeout(400)
 # for the cancel drill's status and cancel.
 SAMPLES = 256_000
 # The killed run is held to 100 steps/s a node alone (3,200 samples/s each: 200 steps/s for two, more than
-# 2 cores give them), 4,000 steps: the survivor alone needs at least 40 s on any machine, against about 14 s
-# for the replacement's 5 s wait, its start and the 3 s admission here. Unpaced, 8,000 steps, it was sized
-# for the fastest machine (the survivor alone needed ~35 s here: 225 steps/s) and trained 45 s more at two
-# nodes after the replacement joined; with 600 steps it finished in 2 s, before the replacement came.
-KILLED_SAMPLES = 4_000 * 32
+# 2 cores give them), 3,000 steps: the survivor alone needs at least 30 s on any machine, against about 14 s
+# for the replacement's 5 s wait, its start and the 3 s admission here (4,000 steps asserted nothing more and
+# cost 10 s at two nodes after the replacement joined). Unpaced, 8,000 steps, it was sized for the fastest
+# machine (the survivor alone needed ~35 s here: 225 steps/s) and trained 45 s more at two nodes after the
+# replacement joined; with 600 steps it finished in 2 s, before the replacement came.
+KILLED_SAMPLES = 3_000 * 32
 KILLED_SAMPLES_PER_S = 3_200
 
 
@@ -198,7 +199,9 @@ def test_status_logs_and_list_read_the_finished_job(killed_run):
 
 
 def test_ctrl_c_stops_everything_with_a_checkpoint_and_the_next_submit_resumes(tmp_path):
-    spec = job_spec(tmp_path, "stopped", samples=48_000)  # lasts beyond the SIGINT on an idle machine too
+    # 1,000 steps, held to 100 steps/s for a node alone: a second node that comes late still finds the job
+    # running when it is admitted (the SIGINT waits for a step at world size 2), on a fast machine too.
+    spec = job_spec(tmp_path, "stopped", samples=32_000, samples_per_s=KILLED_SAMPLES_PER_S)
     first = Submit(spec, tmp_path / "work")
     try:
         first.wait_for(r"^step \d+ .*world size 2$")
