@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -33,7 +34,17 @@ def _train(rank: int, port: int, work: str, max_steps: int, async_save: bool, sl
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    if slow_write:
+    if slow_write and async_save:  # the asynchronous writes alone (the last save is synchronous: test 1 has it)
+        write = CheckpointManager._write
+
+        def slow_background_write(self, step, snapshot, copy_s=0.0, synchronous=True):
+            # Read by the write itself, inside the time it reports; the step loop waits for this write
+            # before the last one starts, so the two never overlap.
+            os.environ[SLOW_WRITE_ENV] = "0" if synchronous else str(SLOW_S)
+            return write(self, step, snapshot, copy_s, synchronous)
+
+        CheckpointManager._write = slow_background_write
+    elif slow_write:
         os.environ[SLOW_WRITE_ENV] = str(SLOW_S)
     if slow_read:  # a file system that takes SLOW_S for rank 0's read (only rank 0 reads)
         load_newest = CheckpointManager.load_newest
@@ -62,20 +73,27 @@ def run(work: Path, max_steps: int, async_save: bool = False, slow_write: bool =
     return steps, records
 
 
-def test_synchronous_writes_longer_than_the_collective_timeout(tmp_path):
-    # checkpoint.async_save=false: the interval's write at step 2 and the last one at step 3
-    steps, records = run(tmp_path, max_steps=3, slow_write=True)
+@pytest.fixture(scope="module")
+def slow_writes(tmp_path_factory) -> tuple[Path, list[int], list[dict]]:
+    """checkpoint.async_save=false: the interval's write at step 2 and the last one at step 3, each slow."""
+    work = tmp_path_factory.mktemp("slow-writes")
+    return work, *run(work, max_steps=3, slow_write=True)
+
+
+def test_synchronous_writes_longer_than_the_collective_timeout(slow_writes):
+    _, steps, records = slow_writes
     assert steps == [2, 3]
     saved = [r for r in records if r["event"] == "checkpoint_saved"]
     assert [r["step"] for r in saved] == [2, 3] and min(r["write_s"] for r in saved) > TIMEOUT_S
 
 
-def test_a_resume_whose_read_is_longer_than_the_collective_timeout(tmp_path):
-    assert run(tmp_path, max_steps=2)[0] == [2]
-    steps, records = run(tmp_path, max_steps=3, slow_read=True)
+def test_a_resume_whose_read_is_longer_than_the_collective_timeout(tmp_path, slow_writes):
+    # From the checkpoints of the slow writes (a run of its own to write one cost 5 s).
+    shutil.copytree(slow_writes[0] / "ckpt", tmp_path / "ckpt")
+    steps, records = run(tmp_path, max_steps=4, slow_read=True)
     resume = next(r for r in records if r["event"] == "resume")
-    assert resume["step"] == 2 and resume["read_s"] > TIMEOUT_S
-    assert steps[-1] == 3
+    assert resume["step"] == 3 and resume["read_s"] > TIMEOUT_S
+    assert steps[-1] == 4
 
 
 def test_an_asynchronous_write_the_step_loop_must_wait_for(tmp_path):
