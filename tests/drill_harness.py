@@ -189,7 +189,9 @@ def etcd_drill(work: Path, plan: list[tuple[str, float]], samples: int = 1_000_0
     etcd = LocalEtcd()
     endpoint = etcd.start()
     args = trainer_args(work, samples) + paced(steps_per_s, nodes)
-    agents = [Agent(name, endpoint, "etcd-drill", work, args, max_restarts=20) for name in "ab"[:nodes]]
+    # max_nodes: the first round completes when the last node joins, not a last call (2 s) later.
+    agents = [Agent(name, endpoint, "etcd-drill", work, args, max_nodes=nodes, max_restarts=20)
+              for name in "ab"[:nodes]]
     try:
         wait_until(lambda: _training_at_full_size(work, nodes), "training", 120, agents)
         for kind, seconds in plan:
@@ -252,15 +254,18 @@ def incarnation_drill(work: Path, samples: int = 120_000, steps_per_s: float | N
 
     What Volcano does is played by hand: the replacement of a failed pod keeps the job version
     (the same rendezvous id); the whole-job restart bumps it (a new id); the late pod has the
-    finished incarnation's id. ``steps_per_s``: the two nodes' pace (:func:`paced`; alone, half of it).
+    finished incarnation's id. ``steps_per_s``: the first version's pace at two nodes (:func:`paced`; alone,
+    half of it); the new version trains unpaced.
     """
     work.mkdir(parents=True, exist_ok=True)
     result = DrillResult(work)
     args = trainer_args(work, samples) + paced(steps_per_s, 2)
+    # Two nodes a job (max_nodes): each first round completes when the second joins, not a last call
+    # (2 s) later.
     with LocalEtcd() as endpoint:
         # Its first failure follows progress and costs no restart; the next, right at the start, does.
-        fragile = Agent("a", endpoint, "job-v0", work, args, max_restarts=0)
-        steady = Agent("b", endpoint, "job-v0", work, args, max_restarts=20)
+        fragile = Agent("a", endpoint, "job-v0", work, args, max_nodes=2, max_restarts=0)
+        steady = Agent("b", endpoint, "job-v0", work, args, max_nodes=2, max_restarts=20)
         agents = [fragile, steady]
         try:
             wait_until(lambda: _training_at_full_size(work, 2), "training", 120, agents)
@@ -269,14 +274,16 @@ def incarnation_drill(work: Path, samples: int = 120_000, steps_per_s: float | N
             _regroup(work, failed, 1, "the survivor alone", agents, result)
 
             replaced = Disruption("the failed pod's replacement rejoins", time.time())
-            replacement = Agent("a2", endpoint, "job-v0", work, args, max_restarts=20)
+            replacement = Agent("a2", endpoint, "job-v0", work, args, max_nodes=2, max_restarts=20)
             agents.append(replacement)
             _regroup(work, replaced, 2, "the replacement joining", agents, result)
 
             restarted = Disruption("the whole job restarts under a new version", time.time())
             for agent in (steady, replacement):
                 agent.kill_node()  # Volcano's RestartJob deletes every pod of the old version
-            fresh = [Agent(name, endpoint, "job-v1", work, args, max_restarts=20) for name in ("c", "d")]
+            # Unpaced: the new version's rounds wait on nothing but its own steps.
+            fresh = [Agent(name, endpoint, "job-v1", work, trainer_args(work, samples), max_nodes=2, max_restarts=20)
+                     for name in ("c", "d")]
             agents += fresh
             wait_until(lambda: [e for e in events(work, "resume") if e["time"] > restarted.at], "the new version",
                        120, agents)
@@ -287,7 +294,7 @@ def incarnation_drill(work: Path, samples: int = 120_000, steps_per_s: float | N
                 result.exit_codes[agent.name] = agent.wait(timeout=600)
 
             late = Disruption("a pod arrives after the end", time.time())
-            straggler = Agent("e", endpoint, "job-v1", work, args, max_restarts=20)
+            straggler = Agent("e", endpoint, "job-v1", work, args, max_nodes=2, max_restarts=20)
             agents.append(straggler)
             result.exit_codes["e"] = straggler.wait(timeout=120)
             late.lasted_s = time.time() - late.at

@@ -71,7 +71,8 @@ def local_command(endpoint: str, run_id: str, work) -> list[str]:
         for part in command[1:trainer_at + 1]
     ]
     swapped = [("--nproc-per-node=1" if p.startswith("--nproc-per-node=") else p) for p in swapped]
-    swapped = [("--nnodes=2:4" if p.startswith("--nnodes=") else p) for p in swapped]
+    # 2:2: the first round completes when the second node joins (2:4 waited the 2 s last call for more).
+    swapped = [("--nnodes=2:2" if p.startswith("--nnodes=") else p) for p in swapped]
     tiny = ["--model.name=mlp", "--model.image_size=16", "--model.num_classes=4", "--data.synthetic_samples=256",
             "--data.num_workers=0", "--train.global_batch_size=32", "--train.micro_batch_size=16",
             "--train.max_steps=4", "--train.precision=fp32", f"--checkpoint.dir={work}/ck",

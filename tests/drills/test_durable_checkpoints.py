@@ -60,7 +60,7 @@ def test_a_kill_of_rank_0s_node_mid_write_costs_at_most_one_interval(tmp_path, e
     interval = 20
     args = trainer_args(tmp_path, interval)
     slow = {SLOW_WRITE_ENV: "1.0", **RESTART_FROM_CHECKPOINT}
-    agents = [Agent(name, etcd_module, "durable-kill", tmp_path, args, env=slow) for name in "ab"]
+    agents = [Agent(name, etcd_module, "durable-kill", tmp_path, args, max_nodes=2, env=slow) for name in "ab"]
     try:
         wait_until(lambda: len(events(tmp_path, "checkpoint_saved")) >= 2 and writing(tmp_path),
                    "a write in flight after two durable ones", 180, agents)
@@ -86,8 +86,8 @@ def test_a_kill_of_rank_0s_node_mid_write_costs_at_most_one_interval(tmp_path, e
 def test_a_trainer_that_loses_a_peer_mid_write_finishes_the_write_first(tmp_path, etcd_module):
     interval = 400  # a write (2 s) fits well inside an interval: rank 0 trains on while it writes
     args = trainer_args(tmp_path, interval)
-    agents = [Agent(name, etcd_module, "durable-peer", tmp_path, args, env={SLOW_WRITE_ENV: "2.0", **RESTART_FROM_CHECKPOINT})
-              for name in "ab"]
+    agents = [Agent(name, etcd_module, "durable-peer", tmp_path, args, max_nodes=2,
+                    env={SLOW_WRITE_ENV: "2.0", **RESTART_FROM_CHECKPOINT}) for name in "ab"]
     try:
         wait_until(lambda: events(tmp_path, "checkpoint_saved"), "the first checkpoint", 180, agents)
         first = events(tmp_path, "checkpoint_saved")[-1]["time"]

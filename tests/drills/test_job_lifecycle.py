@@ -29,15 +29,16 @@ ETCD_PLAN = [("wait", 3), ("down", 30), ("restart", 0), ("empty", 0)]
 # Unpaced, it had to be sized for the fastest machine (752,000 samples at 180 steps/s) and ran 336 s on CI's.
 ETCD_PACE_STEPS_PER_S = 50
 ETCD_DRILL_SAMPLES = 3_300 * 32  # a whole number of global batches (32): every_sample_once counts whole steps
-# The incarnations' job is held to 100 steps/s at two nodes (50 alone). Its rounds wait on agents, not steps:
-# here the survivor resumes alone at step 50, trains alone for 8 s (to step 483) while the replacement starts,
-# and the new version resumes at step 475, 25 s in; 1,800 steps leave it about 13 s of training. The margin
-# that matters is the survivor's: alone it needs 26 s to finish, so a machine whose agents start three
-# times slower still has the replacement join first. Unpaced, 3,750 steps trained 25 s after the new
-# version resumed here, and a machine three times as fast would have finished alone before the
-# replacement came.
+# The incarnations' first version is held to 100 steps/s at two nodes (50 alone). Its rounds wait on agents,
+# not steps: here the survivor resumes alone at step 25, trains alone for 7 s (to step 356) while the
+# replacement starts, and the new version resumes at step 350, 22 s in, and trains the rest unpaced (two nodes
+# train about 100 steps/s here anyway). The margin that matters is the survivor's: alone it needs 23 s to
+# finish 1,200 steps, so a machine whose agents start three times slower (21 s) still has the replacement
+# join first. 1,800 steps asserted nothing more and cost the new version 6 s of training. Unpaced, 3,750
+# steps trained 25 s after the new version resumed here, and a machine three times as fast would have
+# finished alone before the replacement came.
 INCARNATION_PACE_STEPS_PER_S = 100
-INCARNATION_SAMPLES = 1_800 * 32
+INCARNATION_SAMPLES = 1_200 * 32
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,17 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 
 from tests.conftest import REPO
 from training.loop.checkpoint import SLOW_WRITE_ENV
 from training.config import TrainConfig, load_train_config
+
+# untimed (tests/machine_turns.py): its one deadline, a second Ctrl-C's exit within 20 s, stands against a stop
+# that waits 60 s for its checkpoint write; nothing else a busy neighbour could break. Under -n it runs beside
+# other tests (alone it took 21 s of the machine, 48 % of both cores busy).
+pytestmark = pytest.mark.untimed
 
 PROGRESS = re.compile(r"^step (\d+)/(\d+) +(\d+\.\d)%  ETA \d+:\d\d:\d\d  [\d,]+ samples/s  loss \d+\.\d{4}")
 
@@ -111,7 +117,7 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path):
     started = time.monotonic()
     process.send_signal(signal.SIGINT)
     code = process.wait(timeout=30)
-    assert code == 128 + signal.SIGINT and time.monotonic() - started < 5
+    assert code == 128 + signal.SIGINT and time.monotonic() - started < 20  # the stop's write takes 60 s
     assert "second Ctrl-C: exiting now, without a checkpoint" in process.stderr.read()
 
 
