@@ -30,8 +30,9 @@ ETCD_PLAN = [("wait", 3), ("down", 30), ("restart", 0), ("empty", 0)]
 ETCD_PACE_STEPS_PER_S = 50
 ETCD_DRILL_SAMPLES = 3_300 * 32  # a whole number of global batches (32): every_sample_once counts whole steps
 # The incarnations' first version is held to 100 steps/s at two nodes (50 alone). Its rounds wait on agents,
-# not steps: here the survivor resumes alone at step 25, trains alone for 7 s (to step 356) while the
-# replacement starts, and the new version resumes at step 350, 22 s in, and trains the rest unpaced (two nodes
+# not steps: here the survivor resumes alone at step 25 to 50, trains alone for about 6 s (to step 340-360)
+# while the replacement starts, and the new version resumes near step 350, 22 s in, and trains the rest
+# unpaced (two nodes
 # train about 100 steps/s here anyway). The margin that matters is the survivor's: alone it needs 23 s to
 # finish 1,200 steps, so a machine whose agents start three times slower (21 s) still has the replacement
 # join first. 1,800 steps asserted nothing more and cost the new version 6 s of training. Unpaced, 3,750

@@ -92,11 +92,16 @@ def test_the_injected_launcher_runs_an_fsdp_program_through_a_lost_node(tmp_path
     reference.mkdir()
     work = tmp_path / "drill"
     work.mkdir()
-    # The uninterrupted run beside the drill: its own job, and the drill's kill waits on steps, not on time.
-    alone = agent("reference", etcd_module, "own-program-reference", reference, image, max_nodes=1, step_seconds=0)
     a = agent("a", etcd_module, "own-program", work, image, max_nodes=2, step_seconds=0.1)
     b = agent("b", etcd_module, "own-program", work, image, max_nodes=2, step_seconds=0.1)
+    alone = None
     try:
+        # The uninterrupted run beside the drill once both nodes started together (a third launcher's start
+        # could hold one of them past the last call): its own job, and the kill waits on steps, not on time.
+        wait_until(lambda: [e for e in read_events(work / "losses.jsonl") if e["event"] == "start"],
+                   "the two nodes' first round", timeout=120, agents=[a, b])
+        alone = agent("reference", etcd_module, "own-program-reference", reference, image, max_nodes=1,
+                      step_seconds=0)
         wait_until(lambda: (work / "checkpoints" / "step-20").is_dir() and len(losses(work)) >= 25,
                    "two nodes past their second checkpoint", timeout=120, agents=[a, b])
         b.kill_node()
@@ -104,7 +109,8 @@ def test_the_injected_launcher_runs_an_fsdp_program_through_a_lost_node(tmp_path
         assert alone.wait(timeout=120) == 0, alone.output()[-3000:]
     finally:
         for node in (alone, a, b):
-            node.stop()
+            if node is not None:
+                node.stop()
 
     starts = [e for e in read_events(work / "losses.jsonl") if e["event"] == "start"]
     assert [s["world_size"] for s in starts] == [2, 1]

@@ -433,12 +433,16 @@ def test_a_node_arriving_after_the_round_trained_long_enough_is_admitted_at_the_
             progress.write_text("1")
             assert first.num_nodes_waiting() == 0
             time.sleep(0.1)
-        threading.Thread(target=late.next_rendezvous, daemon=True).start()
+        joining = threading.Thread(target=late.next_rendezvous, daemon=True)
+        joining.start()
         until(lambda: late._node in first._snapshot().live and first._snapshot().live[late._node].get("ready"), 10,
               "the newcomer waiting")
         progress.write_text("1")  # a report just before the check, as one is every few steps
         first._checked = float("-inf")  # the check is due: the agent's next health check
         assert first.num_nodes_waiting() == 1, "the newcomer waits although the round trained scale_up_after_s"
+        (again,) = join_all([first])  # and they form the next round together
+        joining.join(timeout=30)
+        assert again.world_size == 2
     finally:
         for node in (first, late):
             node.shutdown()

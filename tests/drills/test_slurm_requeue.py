@@ -35,8 +35,8 @@ PARTITION = "g5"
 # wait's poll and trainctl's status come first), while two nodes train about 100 steps a second on
 # an idle 2-core machine: a machine three times as fast would still be killed near step 450, and the
 # requeued incarnation has most of the job left to train (1,500 steps asserted nothing more and cost
-# 4 s; 3,000 spent 19 s). The first incarnation has written 6 checkpoints by then, so resuming from the
-# newest of them is not resuming from any.
+# 4 s; 3,000 spent 19 s). The first incarnation has written 6 checkpoints by step 150 (about 9 where the
+# kill lands here), so resuming from the newest of them is not resuming from any.
 SAMPLES = 32_000
 KILL_AFTER_STEP = 150
 
