@@ -121,6 +121,7 @@ def test_a_pod_that_arrives_after_the_end_exits_cleanly_at_once(incarnations):
     assert incarnations.exit_codes["e"] == 0 and late.lasted_s < 15
     assert not [e for e in events(incarnations.work, "rendezvous") if e["time"] > late.at]
     assert "the job finished before this node could join" in incarnations.outputs["e"]
+    assert "the trainer is imported" not in incarnations.outputs["e"]  # it left before its warm-up
 
 
 def test_every_sample_is_trained_once_across_incarnations(incarnations):

@@ -653,6 +653,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Hold a lease and this node's key (once ready), and keep the lease alive from a thread."""
         if self._heartbeat is None:
             if self._warm_up is not None:
+                # A node that comes after the job's end leaves before its warm-up (the trainer's import in
+                # the worker server: 5 s or more), not after it.
+                if (snap := self._snapshot()) is not None and snap.closed:
+                    raise RendezvousClosedError(f"the rendezvous of {self._run_id} is closed: the job finished")
                 self._warm_up()
             self._patiently(self._grant)
             self._heartbeat = threading.Thread(target=self._keep_alive, name="rendezvous-lease", daemon=True)
