@@ -18,11 +18,17 @@ from training.contract import EXIT_MEMBERSHIP_CHANGE
 
 pytestmark = pytest.mark.timeout(300)
 
-SAMPLES = 40_000
+# 800 steps in two epochs. The elastic job is held to 100 steps/s at two nodes (50 alone): from the kill
+# (near step 60) the survivor alone needs 15 s to finish, and C joined 6 s after the kill here, so a C
+# that starts twice as slowly still joins before the end. Unpaced, the survivor trained 175 steps/s alone,
+# so the job had to be 2,500 steps, and the uninterrupted run trained them all (15 s); pacing sleeps, it
+# changes no number.
+SAMPLES = 12_800
 GLOBAL_BATCH = 32
 EPOCHS = 2
 INTERVAL = 25
 STEPS = EPOCHS * SAMPLES // GLOBAL_BATCH
+ELASTIC_PACE = [f"--data.synthetic_samples_per_s={100 * GLOBAL_BATCH // 2}"]  # each node's share of 100 steps/s
 
 
 def trainer_args(work: Path) -> list[str]:
@@ -56,7 +62,7 @@ def elastic_run(tmp_path_factory, request):
     """kill B (2 -> 1 node), start C (1 -> 2), SIGTERM C (2 -> 1), finish on A."""
     etcd = request.getfixturevalue("etcd_module")
     work = tmp_path_factory.mktemp("elastic")
-    args = trainer_args(work)
+    args = trainer_args(work) + ELASTIC_PACE
     a = Agent("a", etcd, "elastic-test", work, args, max_restarts=20)
     b = Agent("b", etcd, "elastic-test", work, args, max_restarts=20)
     agents = [a, b]

@@ -31,12 +31,13 @@ pytestmark = pytest.mark.timeout(400)
 # for the cancel drill's status and cancel.
 SAMPLES = 256_000
 # The killed run is held to 100 steps/s a node alone (3,200 samples/s each: 200 steps/s for two, more than
-# 2 cores give them), 3,000 steps: the survivor alone needs at least 30 s on any machine, against about 14 s
-# for the replacement's 5 s wait, its start and the 3 s admission here (4,000 steps asserted nothing more and
-# cost 10 s at two nodes after the replacement joined). Unpaced, 8,000 steps, it was sized for the fastest
-# machine (the survivor alone needed ~35 s here: 225 steps/s) and trained 45 s more at two nodes after the
-# replacement joined; with 600 steps it finished in 2 s, before the replacement came.
-KILLED_SAMPLES = 3_000 * 32
+# 2 cores give them), 2,500 steps: the survivor alone needs at least 25 s on any machine, against about 10 s
+# for the replacement's 5 s wait and its start here, admitted at once (the round has trained its 3 s by
+# then); 4,000 steps asserted nothing more and cost 15 s at two nodes after the replacement joined.
+# Unpaced, 8,000 steps, it was sized for the fastest machine (the survivor alone needed ~35 s here:
+# 225 steps/s) and trained 45 s more at two nodes after the replacement joined; with 600 steps it
+# finished in 2 s, before the replacement came.
+KILLED_SAMPLES = 2_500 * 32
 KILLED_SAMPLES_PER_S = 3_200
 
 
