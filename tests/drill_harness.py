@@ -260,8 +260,8 @@ def incarnation_drill(work: Path, samples: int = 120_000, steps_per_s: float | N
     work.mkdir(parents=True, exist_ok=True)
     result = DrillResult(work)
     args = trainer_args(work, samples) + paced(steps_per_s, 2)
-    # Two nodes a job (max_nodes): each first round completes when the second joins, not a last call
-    # (2 s) later.
+    # Each version of the job has two nodes (max_nodes=2): its first round completes when the second joins,
+    # not a last call (2 s) later.
     with LocalEtcd() as endpoint:
         # Its first failure follows progress and costs no restart; the next, right at the start, does.
         fragile = Agent("a", endpoint, "job-v0", work, args, max_nodes=2, max_restarts=0)
