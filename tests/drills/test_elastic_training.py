@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.drill_harness import paced
 from trainctl.backends.local_cluster import Agent, read_events, wait_until
 from training.contract import EXIT_MEMBERSHIP_CHANGE
 
@@ -28,7 +29,6 @@ GLOBAL_BATCH = 32
 EPOCHS = 2
 INTERVAL = 25
 STEPS = EPOCHS * SAMPLES // GLOBAL_BATCH
-ELASTIC_PACE = [f"--data.synthetic_samples_per_s={100 * GLOBAL_BATCH // 2}"]  # each node's share of 100 steps/s
 
 
 def trainer_args(work: Path) -> list[str]:
@@ -62,7 +62,7 @@ def elastic_run(tmp_path_factory, request):
     """kill B (2 -> 1 node), start C (1 -> 2), SIGTERM C (2 -> 1), finish on A."""
     etcd = request.getfixturevalue("etcd_module")
     work = tmp_path_factory.mktemp("elastic")
-    args = trainer_args(work) + ELASTIC_PACE
+    args = trainer_args(work) + paced(100, 2)  # each node's share of 100 steps/s
     a = Agent("a", etcd, "elastic-test", work, args, max_restarts=20)
     b = Agent("b", etcd, "elastic-test", work, args, max_restarts=20)
     agents = [a, b]
