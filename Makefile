@@ -81,20 +81,27 @@ diff-offline: synth
 	    --fail-on destructive || status=1; \
 	done; exit $$status
 
-# The unit tests on every core (pytest-xdist: tests/unit/cdk/ to one worker as one unit, so each CDK
-# config is synthesized once, every other test to the next free worker; see docs/development.md),
-# then the drills on two workers, a module each: the untimed ones (whole tools, the CLI against
-# stand-ins, fixed-input checks) two at a time and first, every other drill alone, since its agents
-# and trainers keep both cores busy and its disruptions are timed (tests/machine_turns.py). Both always
-# run; the target fails if either did.
+# Two runs side by side. In the foreground, the timed drills one at a time: each one's agents, etcd members
+# and Slurm daemons are timed, and a neighbour at the same priority makes them late (tests/machine_turns.py).
+# Beside them, at the lowest priority the kernel gives (tests/background.py: SCHED_IDLE, and an autogroup at
+# nice 19), the unit tests and the untimed drills (whole tools, the CLI against stand-ins, fixed-input checks)
+# on every core, on the CPU time the timed drills leave idle: pytest-xdist, tests/unit/cdk/ to one worker as
+# one unit so each CDK config is synthesized once, each drill module to one worker, every other test to the
+# next free one (docs/development.md). Its report follows the timed drills'. Both always run; the target
+# fails if either did.
 # auto: a worker per core this process may use, at most 4: each one holds CDK, cdk8s and torch
 # in memory and starts its own jsii kernel.
 TEST_WORKERS ?= auto
 test: setup-test
-	unit=0; drills=0; \
-	$(PY) -m pytest tests/unit -n $(TEST_WORKERS) --maxprocesses=4 || unit=$$?; \
-	$(PY) -m pytest tests/drills -n 2 --no-loadscope-reorder --modules-shown=50 || drills=$$?; \
-	exit $$(( unit || drills ))
+	@beside=$$(mktemp -t beside-the-drills.XXXXXX); beside_status=0; timed_status=0; \
+	echo "make test: the unit tests and the untimed drills run beside the timed drills, at the lowest priority; their report follows"; \
+	$(PY) -m tests.background $(PY) -m pytest tests/unit tests/drills -m "not slow or untimed" -n $(TEST_WORKERS) \
+	  --maxprocesses=4 --modules-shown=50 > $$beside 2>&1 & beside_pid=$$!; \
+	$(PY) -m pytest tests/drills -m "not untimed" --modules-shown=50 || timed_status=$$?; \
+	wait $$beside_pid || beside_status=$$?; \
+	echo; echo "make test: the unit tests and the untimed drills, run beside the timed drills:"; \
+	cat $$beside; rm -f $$beside; \
+	exit $$(( beside_status || timed_status ))
 
 # The trainer's Neuron path (train.device=neuron: torch_xla, the xla process group) on torch-xla's
 # CPU device, in an environment of its own with the Neuron image's torch (requirements-xla.txt).

@@ -347,11 +347,29 @@ def untimed_marks(tree: ast.Module) -> tuple[bool, list[int]]:
 
 
 def test_no_drill_that_runs_agents_etcd_or_slurm_is_marked_untimed():
-    """An untimed drill runs beside another under `pytest -n` (tests/machine_turns.py); one that runs agents,
+    """An untimed drill runs beside others (tests/background.py, tests/machine_turns.py); one that runs agents,
     etcd or Slurm waits on them with deadlines, and must have the machine to itself."""
     drills = sorted((REPO / "tests" / "drills").glob("test_*.py"))
     trees = {p.name: ast.parse(p.read_text()) for p in drills}
     assert [name for name, tree in trees.items() if untimed_marks(tree)[0] and uses_timed_machinery(tree)] == []
+
+
+CLOCKS = {"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns", "time_ns"}
+
+
+def reads_the_clock(tree: ast.Module) -> bool:
+    return any(isinstance(node, ast.Attribute) and node.attr in CLOCKS and isinstance(node.value, ast.Name)
+               and node.value.id == "time" for node in ast.walk(tree))
+
+
+def test_no_untimed_drill_reads_the_clock():
+    """make test runs the untimed drills at the lowest priority, on the CPU the timed drills leave idle
+    (tests/background.py): a deadline there ("exits within 20 s") fails whenever a timed drill keeps both
+    cores busy that long. A drill that times something is timed."""
+    drills = sorted((REPO / "tests" / "drills").glob("test_*.py"))
+    trees = {p.name: ast.parse(p.read_text()) for p in drills}
+    assert [name for name, tree in trees.items() if untimed_marks(tree)[0] and reads_the_clock(tree)] == []
+    assert reads_the_clock(ast.parse("import time\nstarted = time.monotonic()"))
 
 
 def test_the_untimed_mark_is_set_on_whole_modules_alone():
