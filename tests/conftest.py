@@ -180,17 +180,20 @@ def pytest_collection_modifyitems(config, items):
 # `--dist loadgroup` cannot do this under pytest 9.2: it marks a group by rewriting `item._nodeid`,
 # which pytest 9.2 no longer reads (it reads `item._id`).
 CDK_UNIT_TESTS = "tests/unit/cdk/"
+# Drills that lint the configs' templates through the same `synth` fixture: in that unit too, they read its
+# syntheses (a process's cache) instead of synthesizing every config again on another worker (about 20 s).
+SYNTHESIS_READERS = ("tests/drills/test_cfn_lint.py", "tests/drills/test_checkov.py")
 
 
 DRILL_TESTS = "tests/drills/"
 
 
 class SuiteScopes(LoadScopeScheduling):
-    """xdist's scope scheduler with three kinds of scope: all of tests/unit/cdk/, each drill module, and
-    each other unit test."""
+    """xdist's scope scheduler with three kinds of scope: all of tests/unit/cdk/ with the drills that read its
+    syntheses, each other drill module, and each other unit test."""
 
     def _split_scope(self, nodeid: str) -> str:
-        if nodeid.startswith(CDK_UNIT_TESTS):
+        if nodeid.startswith((CDK_UNIT_TESTS, *SYNTHESIS_READERS)):
             return CDK_UNIT_TESTS
         return nodeid.split("::", 1)[0] if nodeid.startswith(DRILL_TESTS) else nodeid
 

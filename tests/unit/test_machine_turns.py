@@ -188,6 +188,7 @@ def test_a_test_marked_untimed_inside_a_timed_module_stays_in_the_modules_turn(t
 @pytest.mark.parametrize(("nodeid", "scope"), [
     ("tests/unit/cdk/test_cluster_stack.py::test_x", "tests/unit/cdk/"),
     ("tests/drills/test_lost_node.py::test_x[a]", "tests/drills/test_lost_node.py"),
+    ("tests/drills/test_cfn_lint.py::test_x[a]", "tests/unit/cdk/"),  # it reads the CDK unit's syntheses
     ("tests/unit/test_catalog.py::test_x", "tests/unit/test_catalog.py::test_x"),
 ])
 def test_xdist_scopes_a_drill_by_module_and_a_unit_test_alone(nodeid, scope):
