@@ -7,7 +7,7 @@ The modules marked ``untimed`` (whole tools over the templates, the CLI against 
 decoders checked on fixed inputs) hold nothing a busy neighbour could break: they only need CPU, and
 two of them side by side finish in about half the time.
 
-``make test`` does not need this: it runs the timed drills in a session of their own, one at a time, and the
+``make test`` does not need this: it runs the timed drills in a pytest run of their own, one at a time, and the
 untimed ones beside them at the lowest priority (tests/background.py). Under a plain ``pytest -n`` over the
 drills, each xdist worker takes a turn on the machine through two ``flock`` locks in a folder the run's
 workers share:

@@ -11,8 +11,9 @@ import pytest
 from tests.conftest import REPO
 from training.diagnostics.allreduce import TransportError, bus_bandwidth, check_efa, nccl_transport, sizes
 
-# untimed (tests/machine_turns.py): nothing a busy neighbour could break; under -n it runs beside other tests
-pytestmark = pytest.mark.untimed
+# Timed, though nothing in it is a deadline: torchrun starts its two ranks in sessions of their own (torch 2.13
+# torch/distributed/elastic/multiprocessing/subprocess_handler, start_new_session), which would leave the lowest
+# priority's autogroup (tests/background.py) while the agent holding their store stayed in it.
 
 # Shapes of the lines NCCL 2.2x and aws-ofi-nccl 1.x write at init with NCCL_DEBUG=INFO.
 ON_EFA = """\

@@ -3,6 +3,7 @@ own, and its exit status comes back."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -49,3 +50,21 @@ def test_a_sigterm_to_the_wrapper_reaches_the_commands_session():
     assert wrapper.stdout.readline() == "up\n"
     os.kill(wrapper.pid, signal.SIGTERM)
     assert wrapper.wait(timeout=30) == 128 + signal.SIGTERM
+
+
+def test_a_ctrl_c_stops_the_command_though_bash_started_the_wrapper_with_sigint_ignored():
+    # A non-interactive bash starts a command run with `&` (make test's recipe) with SIGINT ignored; the command
+    # must not inherit that, or a Ctrl-C on make test would leave the unit tests running.
+    sleeper = "import time; print('up', flush=True); time.sleep(60)"
+    script = (f"{sys.executable} -m tests.background {sys.executable} -c \"{sleeper}\" & wrapper=$!; "
+              "trap '' INT; wait $wrapper; echo status $?")
+    shell = subprocess.Popen(["bash", "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    assert shell.stdout.readline() == "up\n"
+    os.killpg(shell.pid, signal.SIGINT)  # what a terminal's Ctrl-C does to make's process group
+    try:
+        out, _ = shell.communicate(timeout=20)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+    assert out == f"status {128 + signal.SIGINT}\n"

@@ -336,9 +336,10 @@ def uses_timed_machinery(tree: ast.Module) -> bool:
     return False
 
 
-def untimed_marks(tree: ast.Module) -> tuple[bool, list[int]]:
-    """Whether the module's `pytestmark` holds `pytest.mark.untimed`, and the lines of the mark anywhere else."""
-    marks = [node for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "untimed"
+def untimed_marks(tree: ast.Module, mark_name: str = "untimed") -> tuple[bool, list[int]]:
+    """Whether the module's `pytestmark` holds `pytest.mark.untimed` (or ``mark_name``), and the lines of the mark
+    anywhere else."""
+    marks = [node for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == mark_name
              and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"]
     module_level = {id(node) for statement in tree.body if isinstance(statement, ast.Assign)
                     and any(isinstance(target, ast.Name) and target.id == "pytestmark" for target in statement.targets)
@@ -372,10 +373,23 @@ def test_no_untimed_drill_reads_the_clock():
     assert reads_the_clock(ast.parse("import time\nstarted = time.monotonic()"))
 
 
-def test_the_untimed_mark_is_set_on_whole_modules_alone():
-    """tests/machine_turns.py reads the mark from the module: every test of a module takes the same turn."""
+def test_a_unit_module_that_reads_the_clock_is_marked_timed_and_only_unit_modules_are():
+    """make test runs the unit tests at the lowest priority beside the timed drills (tests/background.py), all but
+    the modules marked `timed`, which run with the drills: a unit test that reads the clock holds a deadline
+    ("wait(timeout=0.2) returns within 1 s"). A drill is timed unless marked untimed."""
+    units = sorted((REPO / "tests" / "unit").rglob("test_*.py"))
+    trees = {p.relative_to(REPO).as_posix(): ast.parse(p.read_text()) for p in units}
+    assert [path for path, tree in trees.items() if reads_the_clock(tree) and not untimed_marks(tree, "timed")[0]] == []
+    drills = sorted((REPO / "tests" / "drills").glob("test_*.py"))
+    assert [p.name for p in drills if untimed_marks(ast.parse(p.read_text()), "timed")[0]] == []
+
+
+def test_the_untimed_and_timed_marks_are_set_on_whole_modules_alone():
+    """tests/machine_turns.py and make test's selection read the marks from the module: every test of a module
+    takes the same turn."""
     tests = sorted((REPO / "tests").rglob("test_*.py"))
-    elsewhere = {p.relative_to(REPO).as_posix(): untimed_marks(ast.parse(p.read_text()))[1] for p in tests}
+    elsewhere = {p.relative_to(REPO).as_posix(): untimed_marks(tree, "untimed")[1] + untimed_marks(tree, "timed")[1]
+                 for p in tests for tree in [ast.parse(p.read_text())]}
     assert {path: lines for path, lines in elsewhere.items() if lines} == {}
 
 
