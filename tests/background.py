@@ -29,15 +29,15 @@ wrapper dies (prctl(2), PR_SET_PDEATHSIG), and the wrapper exits with the comman
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
 
+from trainctl.backends.local import _with_this_process
+
 AUTOGROUP_NICE = 19
-PR_SET_PDEATHSIG = 1  # prctl(2)
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -47,9 +47,7 @@ def _lowest_priority(parent: int) -> None:
     # the command would not stop on the Ctrl-C the wrapper forwards.
     for forwarded in FORWARDED:
         signal.signal(forwarded, signal.SIG_DFL)
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent:  # the wrapper died before the line above
-        os._exit(128 + signal.SIGTERM)
+    _with_this_process(parent)()  # SIGTERM when the wrapper dies, as trainctl's local backend does for its nodes
     # The kernel takes one write to any /proc/*/autogroup in 100 ms (EAGAIN otherwise; kernel/sched/autogroup.c,
     # proc_sched_autogroup_set_nice), and other wrappers may be starting too.
     deadline = time.monotonic() + 2

@@ -336,9 +336,8 @@ def uses_timed_machinery(tree: ast.Module) -> bool:
     return False
 
 
-def untimed_marks(tree: ast.Module, mark_name: str = "untimed") -> tuple[bool, list[int]]:
-    """Whether the module's `pytestmark` holds `pytest.mark.untimed` (or ``mark_name``), and the lines of the mark
-    anywhere else."""
+def module_marks(tree: ast.Module, mark_name: str) -> tuple[bool, list[int]]:
+    """Whether the module's `pytestmark` holds `pytest.mark.<mark_name>`, and the lines of the mark anywhere else."""
     marks = [node for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == mark_name
              and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"]
     module_level = {id(node) for statement in tree.body if isinstance(statement, ast.Assign)
@@ -352,7 +351,7 @@ def test_no_drill_that_runs_agents_etcd_or_slurm_is_marked_untimed():
     etcd or Slurm waits on them with deadlines, and must have the machine to itself."""
     drills = sorted((REPO / "tests" / "drills").glob("test_*.py"))
     trees = {p.name: ast.parse(p.read_text()) for p in drills}
-    assert [name for name, tree in trees.items() if untimed_marks(tree)[0] and uses_timed_machinery(tree)] == []
+    assert [name for name, tree in trees.items() if module_marks(tree, "untimed")[0] and uses_timed_machinery(tree)] == []
 
 
 CLOCKS = {"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns", "time_ns"}
@@ -369,7 +368,7 @@ def test_no_untimed_drill_reads_the_clock():
     cores busy that long. A drill that times something is timed."""
     drills = sorted((REPO / "tests" / "drills").glob("test_*.py"))
     trees = {p.name: ast.parse(p.read_text()) for p in drills}
-    assert [name for name, tree in trees.items() if untimed_marks(tree)[0] and reads_the_clock(tree)] == []
+    assert [name for name, tree in trees.items() if module_marks(tree, "untimed")[0] and reads_the_clock(tree)] == []
     assert reads_the_clock(ast.parse("import time\nstarted = time.monotonic()"))
 
 
@@ -379,16 +378,16 @@ def test_a_unit_module_that_reads_the_clock_is_marked_timed_and_only_unit_module
     ("wait(timeout=0.2) returns within 1 s"). A drill is timed unless marked untimed."""
     units = sorted((REPO / "tests" / "unit").rglob("test_*.py"))
     trees = {p.relative_to(REPO).as_posix(): ast.parse(p.read_text()) for p in units}
-    assert [path for path, tree in trees.items() if reads_the_clock(tree) and not untimed_marks(tree, "timed")[0]] == []
+    assert [path for path, tree in trees.items() if reads_the_clock(tree) and not module_marks(tree, "timed")[0]] == []
     drills = sorted((REPO / "tests" / "drills").glob("test_*.py"))
-    assert [p.name for p in drills if untimed_marks(ast.parse(p.read_text()), "timed")[0]] == []
+    assert [p.name for p in drills if module_marks(ast.parse(p.read_text()), "timed")[0]] == []
 
 
 def test_the_untimed_and_timed_marks_are_set_on_whole_modules_alone():
     """tests/machine_turns.py and make test's selection read the marks from the module: every test of a module
     takes the same turn."""
     tests = sorted((REPO / "tests").rglob("test_*.py"))
-    elsewhere = {p.relative_to(REPO).as_posix(): untimed_marks(tree, "untimed")[1] + untimed_marks(tree, "timed")[1]
+    elsewhere = {p.relative_to(REPO).as_posix(): module_marks(tree, "untimed")[1] + module_marks(tree, "timed")[1]
                  for p in tests for tree in [ast.parse(p.read_text())]}
     assert {path: lines for path, lines in elsewhere.items() if lines} == {}
 
@@ -415,4 +414,4 @@ def test_the_guard_sees_each_way_a_drill_reaches_the_timed_machinery(source, tim
     ("pytestmark = pytest.mark.timeout(300)", False, []),
 ])
 def test_the_guard_tells_a_module_mark_from_a_tests(source, module_level, elsewhere):
-    assert untimed_marks(ast.parse(source)) == (module_level, elsewhere)
+    assert module_marks(ast.parse(source), "untimed") == (module_level, elsewhere)
