@@ -81,30 +81,38 @@ diff-offline: synth
 	    --fail-on destructive || status=1; \
 	done; exit $$status
 
-# Two runs side by side. In the foreground, the timed drills one at a time, with the unit modules marked timed: each
+# Three runs side by side. In the foreground, the timed drills one at a time, with the unit modules marked timed: each
 # one's agents, etcd members and Slurm daemons are timed, and a neighbour at the same priority makes them late
 # (tests/machine_turns.py). Beside them, at the lowest priority the kernel gives (tests/background.py: SCHED_IDLE,
 # and an autogroup at nice 19), the other unit tests and the untimed drills (whole tools, the CLI against
 # stand-ins, fixed-input checks) on every core, on the CPU time the timed drills leave idle: pytest-xdist,
 # tests/unit/cdk/ to one worker as one unit so each CDK config is synthesized once, each drill module to one
-# worker, every other test to the next free one (docs/development.md). Its report follows the timed drills'.
-# Both always run; the target fails if either did. A Ctrl-C stops both.
+# worker, every other test to the next free one (docs/development.md). And beside both, at full priority, the
+# light timed drills (marked `light`: they hold deadlines but wait on etcd leases and outages, a few percent of
+# one core, and start no agent or trainer). Their reports follow the timed drills'.
+# All three always run; the target fails if any did. A Ctrl-C stops them all.
 # auto: a worker per core this process may use, at most 4: each one holds CDK, cdk8s and torch
 # in memory and starts its own jsii kernel.
 TEST_WORKERS ?= auto
-TIMED_TESTS := timed or (slow and not untimed)
+TIMED_TESTS := (timed or (slow and not untimed)) and not light
+LIGHT_TIMED_TESTS := light
 BESIDE_TIMED_TESTS := not timed and (not slow or untimed)
 test: setup-test
-	@beside="$$(mktemp "$${TMPDIR:-/tmp}/beside-the-drills.XXXXXX")"; beside_status=0; timed_status=0; \
-	echo "make test: the unit tests and the untimed drills run beside the timed drills, at the lowest priority; their report follows"; \
+	@beside="$$(mktemp "$${TMPDIR:-/tmp}/beside-the-drills.XXXXXX")"; light="$$beside.light"; \
+	beside_status=0; light_status=0; timed_status=0; \
+	echo "make test: the unit tests and the untimed drills run beside the timed drills, at the lowest priority, and the light timed drills at full priority; their reports follow"; \
 	$(PY) -m tests.background $(PY) -m pytest tests/unit tests/drills -m "$(BESIDE_TIMED_TESTS)" -n $(TEST_WORKERS) \
 	  --maxprocesses=4 --modules-shown=50 -o cache_dir=.pytest_cache/beside > "$$beside" 2>&1 & beside_pid=$$!; \
-	trap 'kill -TERM $$beside_pid 2>/dev/null || true; rm -f "$$beside"' EXIT; trap 'exit 130' INT TERM; \
+	$(PY) -m pytest tests/drills -m "$(LIGHT_TIMED_TESTS)" -o cache_dir=.pytest_cache/light > "$$light" 2>&1 & light_pid=$$!; \
+	trap 'kill -TERM $$beside_pid $$light_pid 2>/dev/null || true; rm -f "$$beside" "$$light"' EXIT; trap 'exit 130' INT TERM; \
 	$(PY) -m pytest tests/unit tests/drills -m "$(TIMED_TESTS)" --modules-shown=50 || timed_status=$$?; \
+	wait $$light_pid || light_status=$$?; \
+	echo; echo "make test: the light timed drills, run beside the timed drills:"; \
+	cat "$$light"; \
 	wait $$beside_pid || beside_status=$$?; \
 	echo; echo "make test: the unit tests and the untimed drills, run beside the timed drills:"; \
 	cat "$$beside"; \
-	exit $$(( beside_status || timed_status ))
+	exit $$(( beside_status || light_status || timed_status ))
 
 # The trainer's Neuron path (train.device=neuron: torch_xla, the xla process group) on torch-xla's
 # CPU device, in an environment of its own with the Neuron image's torch (requirements-xla.txt).

@@ -67,16 +67,39 @@ def test_an_agent_started_while_etcd_is_down_waits_and_a_second_joins_it(tmp_pat
         etcd.__exit__()
 
 
-def test_a_scale_up_keeps_the_survivors_workers_and_loses_no_step(tmp_path, etcd_module):
+def _node_ranks(agent: Agent) -> list[dict]:
+    return [json.loads(line) for line in agent.output().splitlines() if line.startswith('{"event": "node_ranks"')]
+
+
+def test_a_scale_up_keeps_the_survivors_workers_puts_the_newcomer_in_network_order_and_loses_no_step(
+        tmp_path, etcd_module):
     """Beyond torchrun: the running members' workers stay up through an admission. They stop at
     one step, leave their process group, and join the bigger round in place; only the newcomer
-    starts a worker, and it receives the state from a survivor: nobody reads a checkpoint."""
+    starts a worker, and it receives the state from a survivor: nobody reads a checkpoint.
+
+    On EKS each node's agent reads its network labels (training/node_labels.py, then
+    training/launcher/topology.py). Here c hangs from a's layer-3 network node and b from another, so
+    c's admission puts it at rank 1, between the survivors, and b moves to rank 2: a survivor's rank
+    changes in place. At the end no sample has been trained twice, through two admissions and a crash.
+    (One job for both: each agent's start costs about 6.5 core-seconds, and both drills need the same
+    two-node job scaled up.)"""
+    networks = {"a": ("nn-1", "nn-1a", "nn-1a1"), "b": ("nn-2", "nn-2a", "nn-2a1"),
+                "c": ("nn-1", "nn-1a", "nn-1a1"), "d": ("nn-2", "nn-2a", "nn-2a1")}
     args = [*trainer_args(tmp_path, 400_000), *paced(PACE_STEPS_PER_S, 4)]
-    agents = [Agent(name, etcd_module, "in-place", tmp_path, args, max_nodes=4) for name in "ab"]
+
+    def agent(name: str) -> Agent:
+        labels = tmp_path / f"{name}-labels.json"
+        labels.write_text(json.dumps({network_node_label(layer + 1): node for layer, node in enumerate(networks[name])}))
+        # min_nodes 2: a and b make the first round together, in network order, whichever starts faster.
+        return Agent(name, etcd_module, "in-place", tmp_path, args, min_nodes=2, max_nodes=4,
+                     env={NODE_LABELS_FILE_ENV: str(labels)})
+
+    agents = [agent(name) for name in "ab"]
     try:
         # Past step 25 (8 reports of 5 steps): a checkpoint exists, and is hidden below.
         wait_until(lambda: len([e for e in events(tmp_path, "step") if e["world_size"] == 2]) >= 8,
                    "two nodes training", 120, agents)
+        before = {a.name: _node_ranks(a)[-1]["group_rank"] for a in agents}
         workers = {agent.name: agent.worker_pids() for agent in agents}
         # Every checkpoint moved away: a member that read one would find none and start at step 0.
         checkpoints = tmp_path / "checkpoints"
@@ -85,12 +108,15 @@ def test_a_scale_up_keeps_the_survivors_workers_and_loses_no_step(tmp_path, etcd
         for path in checkpoints.glob("step-*.pt"):
             path.rename(hidden / path.name)
         joined_at = time.time()
-        agents.append(Agent("c", etcd_module, "in-place", tmp_path, args, max_nodes=4))
-        wait_until(lambda: [e for e in events(tmp_path, "step") if e["world_size"] == 3], "three nodes training",
-                   120, agents)
+        agents.append(agent("c"))
+        # Three reports at size 3: the round's ranks are out (node_ranks comes before the first step).
+        wait_until(lambda: len([e for e in events(tmp_path, "step") if e["world_size"] == 3]) >= 3,
+                   "three nodes training", 120, agents)
+        after = {a.name: _node_ranks(a)[-1]["group_rank"] for a in agents}
+        assert before == {"a": 0, "b": 1} and after == {"a": 0, "c": 1, "b": 2}
         assert {agent.name: agent.worker_pids() for agent in agents[:2]} == workers  # the same processes
-        for agent in agents[:2]:
-            assert "joined round 1 in place" in agent.output()
+        for agent_ in agents[:2]:
+            assert "joined round 1 in place" in agent_.output()
         last_of_two = max(e["step"] for e in events(tmp_path, "step") if e["world_size"] == 2)
         resume = [e for e in events(tmp_path, "resume") if e["time"] > joined_at]
         assert resume and resume[0]["step"] >= last_of_two  # nothing trained is lost
@@ -108,59 +134,18 @@ def test_a_scale_up_keeps_the_survivors_workers_and_loses_no_step(tmp_path, etcd
         wait_until(lambda: [e for e in events(tmp_path, "step") if e["time"] > crashed_at + 1 and e["world_size"] == 3],
                    "three nodes training again after the crash", 120, agents)
         workers = {agent.name: agent.worker_pids() for agent in agents}
-        agents.append(Agent("d", etcd_module, "in-place", tmp_path, args, max_nodes=4))
+        agents.append(agent("d"))
         wait_until(lambda: [e for e in events(tmp_path, "step") if e["world_size"] == 4], "four nodes training",
                    120, agents)
         assert {agent.name: agent.worker_pids() for agent in agents[:3]} == workers
-        for agent in agents:
-            assert "did not pause" not in agent.output(), agent.output()[-3000:]
+        for agent_ in agents:
+            assert "did not pause" not in agent_.output(), agent_.output()[-3000:]
+        for agent_ in agents:
+            agent_.terminate()
+        assert [a.wait(timeout=120) for a in agents] == [EXIT_STOPPED] * 4, [a.output()[-2000:] for a in agents]
     finally:
-        for agent in agents:
-            agent.stop()
-
-
-def _node_ranks(agent: Agent) -> list[dict]:
-    return [json.loads(line) for line in agent.output().splitlines() if line.startswith('{"event": "node_ranks"')]
-
-
-def test_a_newcomer_takes_its_place_in_the_network_order_and_no_sample_is_trained_twice(tmp_path, etcd_module):
-    """On EKS each node's agent reads its network labels (training/node_labels.py, then
-    training/launcher/topology.py). Here c hangs from a's layer-3 network node and b from another, so
-    c's admission puts it at rank 1, between the survivors, and b moves to rank 2: a survivor's rank
-    changes in place. Nothing is lost and no sample is trained twice."""
-    networks = {"a": ("nn-1", "nn-1a", "nn-1a1"), "b": ("nn-2", "nn-2a", "nn-2a1"), "c": ("nn-1", "nn-1a", "nn-1a1")}
-    args = [*trainer_args(tmp_path, 400_000), *paced(PACE_STEPS_PER_S, 3)]
-
-    def agent(name: str) -> Agent:
-        labels = tmp_path / f"{name}-labels.json"
-        labels.write_text(json.dumps({network_node_label(layer + 1): node for layer, node in enumerate(networks[name])}))
-        # min_nodes 2: a and b make the first round together, in network order, whichever starts faster.
-        return Agent(name, etcd_module, "network", tmp_path, args, min_nodes=2, max_nodes=3,
-                     env={NODE_LABELS_FILE_ENV: str(labels)})
-
-    agents = [agent("a")]
-    agents.append(agent("b"))
-    try:
-        # Three reports at each size: the round's ranks are out (node_ranks comes before the first step).
-        wait_until(lambda: len([e for e in events(tmp_path, "step") if e["world_size"] == 2]) >= 3,
-                   "two nodes training", 120, agents)
-        before = {a.name: _node_ranks(a)[-1]["group_rank"] for a in agents}
-        joined_at = time.time()
-        agents.append(agent("c"))
-        wait_until(lambda: len([e for e in events(tmp_path, "step") if e["world_size"] == 3]) >= 3,
-                   "three nodes training", 120, agents)
-        after = {a.name: _node_ranks(a)[-1]["group_rank"] for a in agents}
-        last_of_two = max(e["step"] for e in events(tmp_path, "step") if e["world_size"] == 2)
-        resume = [e for e in events(tmp_path, "resume") if e["time"] > joined_at]
-        for a in agents:
-            a.terminate()
-        assert [a.wait(timeout=120) for a in agents] == [EXIT_STOPPED] * 3, [a.output()[-2000:] for a in agents]
-    finally:
-        for a in agents:
-            a.stop()
-    assert before == {"a": 0, "b": 1} and after == {"a": 0, "c": 1, "b": 2}
-    assert all(re.search(r"joined round \d+ in place", a.output()) for a in agents[:2])  # their workers stayed up
-    assert resume and resume[0]["step"] >= last_of_two and resume[0]["checkpoint"] is None  # nothing lost
+        for agent_ in agents:
+            agent_.stop()
     steps, seen = sample_coverage(tmp_path, 400_000, 1)
     counts = seen[0]
     assert set(counts.values()) == {1} and len(counts) == steps * GLOBAL_BATCH  # each counted step's samples, once

@@ -387,9 +387,57 @@ def test_the_untimed_and_timed_marks_are_set_on_whole_modules_alone():
     """tests/machine_turns.py and make test's selection read the marks from the module: every test of a module
     takes the same turn."""
     tests = sorted((REPO / "tests").rglob("test_*.py"))
-    elsewhere = {p.relative_to(REPO).as_posix(): module_marks(tree, "untimed")[1] + module_marks(tree, "timed")[1]
+    elsewhere = {p.relative_to(REPO).as_posix(): [line for mark in ("untimed", "timed", "light")
+                                                  for line in module_marks(tree, mark)[1]]
                  for p in tests for tree in [ast.parse(p.read_text())]}
     assert {path: lines for path, lines in elsewhere.items() if lines} == {}
+
+
+# What a light drill may not use: it runs at full priority beside the timed drills (Makefile, LIGHT_TIMED_TESTS),
+# so it must leave the cores idle. An etcd and the rendezvous handlers in threads do; agents, trainers, the drills'
+# jobs, a Slurm cluster and subprocesses of its own would not.
+HEAVY_MACHINERY = {"tests.slurm_cluster": None, "subprocess": None, "training.loop": None,
+                   "trainctl.backends.local_cluster": {"Agent", "LocalEtcdCluster"}}
+
+
+def starts_heavy_work(tree: ast.Module) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(alias.name.startswith(tuple(HEAVY_MACHINERY)) for alias in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = {alias.name for alias in node.names}
+            if node.module == "tests.drill_harness" and any(name.endswith("_drill") for name in names):
+                return True
+            if {f"{node.module}.{name}" for name in names} & HEAVY_MACHINERY.keys():  # from tests import slurm_cluster
+                return True
+            for module, wanted in HEAVY_MACHINERY.items():
+                if (node.module == module or node.module.startswith(module + ".")) and (wanted is None or wanted & names):
+                    return True
+    return False
+
+
+def test_a_light_drill_is_a_timed_drill_that_starts_no_agent_trainer_or_slurm():
+    drills = sorted((REPO / "tests" / "drills").glob("test_*.py"))
+    trees = {p.name: ast.parse(p.read_text()) for p in drills}
+    light = [name for name, tree in trees.items() if module_marks(tree, "light")[0]]
+    assert "test_rendezvous_v3.py" in light
+    assert [name for name in light if module_marks(trees[name], "untimed")[0] or starts_heavy_work(trees[name])] == []
+    units = sorted((REPO / "tests" / "unit").rglob("test_*.py"))
+    assert [p.name for p in units if module_marks(ast.parse(p.read_text()), "light")[0]] == []
+
+
+@pytest.mark.parametrize(("source", "heavy"), [
+    ("from tests.drill_harness import lost_node_drill", True),
+    ("from tests.drill_harness import etcd_metrics", False),
+    ("import subprocess", True),
+    ("from trainctl.backends.local_cluster import Agent", True),
+    ("from trainctl.backends.local_cluster import LocalEtcd, free_port", False),
+    ("from training.loop.trainer import Trainer", True),
+    ("from tests import slurm_cluster", True),
+    ("import tests.slurm_cluster", True),
+])
+def test_the_light_guard_sees_what_starts_heavy_work(source, heavy):
+    assert starts_heavy_work(ast.parse(source)) is heavy
 
 
 @pytest.mark.parametrize(("source", "timed"), [
