@@ -60,6 +60,17 @@ def disruption(run, what):
     return next(d for d in run.disruptions if d.what == what)
 
 
+def resumed_from_the_newest_durable_checkpoint(run, item) -> bool:
+    """The first resume after ``item`` is at the newest checkpoint whose write had landed when it began, or a newer
+    one (a write that landed as the kill came, before its event was written). A count of the steps lost says
+    less: a write still in flight at a kill never lands, so the steps since the previous one are lost, and on a
+    loaded machine the write lead (training/loop/save_policy.py) can start that write a step or two late: 27
+    steps lost at an interval of 25 (CI, 2026-12-07)."""
+    saved = [e["step"] for e in events(run.work, "checkpoint_saved") if e["time"] < item.at]
+    resume = next(e for e in events(run.work, "resume") if e["time"] > item.at)
+    return bool(saved) and resume["step"] >= max(saved)
+
+
 def test_the_job_outlives_the_drill_and_finishes(etcd_run):
     finished = events(etcd_run.work, "finished")
     assert etcd_run.exit_codes == {"a": 0, "b": 0}, etcd_run.outputs["a"][-3000:]
@@ -100,7 +111,8 @@ def test_every_sample_is_trained_once_through_the_etcd_drill(etcd_run):
 def test_an_agent_whose_workers_crash_in_a_loop_asks_for_a_fresh_incarnation_and_its_peer_goes_on(incarnations):
     assert incarnations.exit_codes["a"] == EXIT_RESTART_JOB
     failed = disruption(incarnations, "a node's workers crash in a loop")
-    assert failed.restarts >= 1 and failed.steps_lost <= INTERVAL
+    assert failed.restarts >= 1 and resumed_from_the_newest_durable_checkpoint(incarnations, failed)
+    assert failed.steps_lost < 2 * INTERVAL  # at most the steps since the checkpoint before the one in flight
     # The first crash followed progress and was free; the one right after a restart was not.
     assert "does not count against --max-restarts" in incarnations.outputs["a"]
     # The failed agent left the round open: nothing but the job's success closes it.
@@ -114,7 +126,8 @@ def test_a_replacement_pod_rejoins_the_same_round_without_losing_a_step(incarnat
 
 def test_a_new_version_of_the_job_resumes_from_the_newest_checkpoint(incarnations):
     restarted = disruption(incarnations, "the whole job restarts under a new version")
-    assert restarted.restarts >= 1 and restarted.steps_lost <= INTERVAL
+    assert restarted.restarts >= 1 and resumed_from_the_newest_durable_checkpoint(incarnations, restarted)
+    assert restarted.steps_lost < 2 * INTERVAL  # at most the steps since the checkpoint before the one in flight
     assert incarnations.exit_codes["c"] == incarnations.exit_codes["d"] == 0
 
 
