@@ -46,7 +46,7 @@ def test_agents_arriving_one_by_one_are_admitted_in_batches(tmp_path):
     assert sizes == sorted(sizes) and sizes[-1] == 4  # the world only grew
 
 
-def test_an_agent_started_while_etcd_is_down_waits_and_a_second_joins_it(tmp_path):
+def test_an_agentstarted_while_etcd_is_down_waits_and_a_second_joins_it(tmp_path):
     etcd = LocalEtcd()
     args = [*trainer_args(tmp_path, 400_000), *paced(PACE_STEPS_PER_S, 2)]
     agents = [Agent("a", etcd.endpoint, "etcd-late", tmp_path, args, max_nodes=2)]
@@ -87,14 +87,14 @@ def test_a_scale_up_keeps_the_survivors_workers_puts_the_newcomer_in_network_ord
                 "c": ("nn-1", "nn-1a", "nn-1a1"), "d": ("nn-2", "nn-2a", "nn-2a1")}
     args = [*trainer_args(tmp_path, 400_000), *paced(PACE_STEPS_PER_S, 4)]
 
-    def agent(name: str) -> Agent:
+    def start(name: str) -> Agent:
         labels = tmp_path / f"{name}-labels.json"
         labels.write_text(json.dumps({network_node_label(layer + 1): node for layer, node in enumerate(networks[name])}))
         # min_nodes 2: a and b make the first round together, in network order, whichever starts faster.
         return Agent(name, etcd_module, "in-place", tmp_path, args, min_nodes=2, max_nodes=4,
                      env={NODE_LABELS_FILE_ENV: str(labels)})
 
-    agents = [agent(name) for name in "ab"]
+    agents = [start(name) for name in "ab"]
     try:
         # Past step 25 (8 reports of 5 steps): a checkpoint exists, and is hidden below.
         wait_until(lambda: len([e for e in events(tmp_path, "step") if e["world_size"] == 2]) >= 8,
@@ -108,15 +108,15 @@ def test_a_scale_up_keeps_the_survivors_workers_puts_the_newcomer_in_network_ord
         for path in checkpoints.glob("step-*.pt"):
             path.rename(hidden / path.name)
         joined_at = time.time()
-        agents.append(agent("c"))
+        agents.append(start("c"))
         # Three reports at size 3: the round's ranks are out (node_ranks comes before the first step).
         wait_until(lambda: len([e for e in events(tmp_path, "step") if e["world_size"] == 3]) >= 3,
                    "three nodes training", 120, agents)
         after = {a.name: _node_ranks(a)[-1]["group_rank"] for a in agents}
         assert before == {"a": 0, "b": 1} and after == {"a": 0, "c": 1, "b": 2}
         assert {agent.name: agent.worker_pids() for agent in agents[:2]} == workers  # the same processes
-        for agent_ in agents[:2]:
-            assert "joined round 1 in place" in agent_.output()
+        for agent in agents[:2]:
+            assert "joined round 1 in place" in agent.output()
         last_of_two = max(e["step"] for e in events(tmp_path, "step") if e["world_size"] == 2)
         resume = [e for e in events(tmp_path, "resume") if e["time"] > joined_at]
         assert resume and resume[0]["step"] >= last_of_two  # nothing trained is lost
@@ -134,18 +134,18 @@ def test_a_scale_up_keeps_the_survivors_workers_puts_the_newcomer_in_network_ord
         wait_until(lambda: [e for e in events(tmp_path, "step") if e["time"] > crashed_at + 1 and e["world_size"] == 3],
                    "three nodes training again after the crash", 120, agents)
         workers = {agent.name: agent.worker_pids() for agent in agents}
-        agents.append(agent("d"))
+        agents.append(start("d"))
         wait_until(lambda: [e for e in events(tmp_path, "step") if e["world_size"] == 4], "four nodes training",
                    120, agents)
         assert {agent.name: agent.worker_pids() for agent in agents[:3]} == workers
-        for agent_ in agents:
-            assert "did not pause" not in agent_.output(), agent_.output()[-3000:]
-        for agent_ in agents:
-            agent_.terminate()
+        for agent in agents:
+            assert "did not pause" not in agent.output(), agent.output()[-3000:]
+        for agent in agents:
+            agent.terminate()
         assert [a.wait(timeout=120) for a in agents] == [EXIT_STOPPED] * 4, [a.output()[-2000:] for a in agents]
     finally:
-        for agent_ in agents:
-            agent_.stop()
+        for agent in agents:
+            agent.stop()
     steps, seen = sample_coverage(tmp_path, 400_000, 1)
     counts = seen[0]
     assert set(counts.values()) == {1} and len(counts) == steps * GLOBAL_BATCH  # each counted step's samples, once

@@ -26,7 +26,7 @@ def run_check(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_gpu_checks_batch_slurm_and_bare_loop_cases_run_on_the_cpu(tmp_path):
-    done = run_check(tmp_path, "--cases=bare,slurm,batch")  # any order: they run in the check's
+    done = run_check(tmp_path, "--cases=bare,slurm,batch")  # named in any order, run in the check's
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert [c["name"] for c in report["cases"]] == ["Batch command", "Slurm command", "bare loop, eager"]

@@ -320,20 +320,29 @@ TIMED_MACHINERY = {"tests.drill_harness": None, "tests.slurm_cluster": None,
 TIMED_FIXTURES = {"etcd_server", "etcd_module"}
 
 
-def uses_timed_machinery(tree: ast.Module) -> bool:
+def imports_any(tree: ast.Module, table: dict[str, set[str] | None]) -> bool:
+    """Whether the module imports one of ``table``'s modules (or a module inside one), whole or, where the table
+    names some, one of those names from it."""
+    def within(module: str) -> str | None:
+        return next((key for key in table if module == key or module.startswith(key + ".")), None)
+
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import) and any(alias.name in TIMED_MACHINERY for alias in node.names):
+        if isinstance(node, ast.Import) and any(within(alias.name) for alias in node.names):
             return True
         if isinstance(node, ast.ImportFrom) and node.module:
             names = {alias.name for alias in node.names}
-            if {f"{node.module}.{name}" for name in names} & TIMED_MACHINERY.keys():  # from tests import slurm_cluster
+            if {f"{node.module}.{name}" for name in names} & table.keys():  # from tests import slurm_cluster
                 return True
-            wanted = TIMED_MACHINERY.get(node.module, set())
-            if wanted is None or wanted & names:
+            key = within(node.module)
+            if key is not None and (table[key] is None or table[key] & names):
                 return True
-        if isinstance(node, ast.FunctionDef) and TIMED_FIXTURES & {arg.arg for arg in node.args.args}:
-            return True
     return False
+
+
+def uses_timed_machinery(tree: ast.Module) -> bool:
+    return imports_any(tree, TIMED_MACHINERY) or any(
+        isinstance(node, ast.FunctionDef) and TIMED_FIXTURES & {arg.arg for arg in node.args.args}
+        for node in ast.walk(tree))
 
 
 def module_marks(tree: ast.Module, mark_name: str) -> tuple[bool, list[int]]:
@@ -401,19 +410,9 @@ HEAVY_MACHINERY = {"tests.slurm_cluster": None, "subprocess": None, "training.lo
 
 
 def starts_heavy_work(tree: ast.Module) -> bool:
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import) and any(alias.name.startswith(tuple(HEAVY_MACHINERY)) for alias in node.names):
-            return True
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names = {alias.name for alias in node.names}
-            if node.module == "tests.drill_harness" and any(name.endswith("_drill") for name in names):
-                return True
-            if {f"{node.module}.{name}" for name in names} & HEAVY_MACHINERY.keys():  # from tests import slurm_cluster
-                return True
-            for module, wanted in HEAVY_MACHINERY.items():
-                if (node.module == module or node.module.startswith(module + ".")) and (wanted is None or wanted & names):
-                    return True
-    return False
+    return imports_any(tree, HEAVY_MACHINERY) or any(
+        isinstance(node, ast.ImportFrom) and node.module == "tests.drill_harness"
+        and any(alias.name.endswith("_drill") for alias in node.names) for node in ast.walk(tree))
 
 
 def test_a_light_drill_is_a_timed_drill_that_starts_no_agent_trainer_or_slurm():
